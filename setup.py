@@ -32,7 +32,10 @@ DEFAULT_CUDA_ARCHS = "9.0a;10.0a"
 
 
 def _skip(reason: str) -> list:
-    print(f"vllm-kimi-k3-dsa: building without vllm._kimi_k3_C ({reason})", file=sys.stderr)
+    print(
+        f"vllm-kimi-k3-dsa: building without vllm._kimi_k3_C ({reason})",
+        file=sys.stderr,
+    )
     return []
 
 
@@ -49,8 +52,10 @@ def _extension_modules() -> list:
     try:
         from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
     except ImportError:
-        return _skip("torch is not importable; install vllm==0.33.0 first and "
-                     "build with --no-build-isolation")
+        return _skip(
+            "torch is not importable; install vllm==0.33.0 first and "
+            "build with --no-build-isolation"
+        )
     nvcc = Path(CUDA_HOME or "", "bin", "nvcc")
     if CUDA_HOME is None or not (nvcc.exists() or shutil.which("nvcc")):
         return _skip("no CUDA toolkit (nvcc) found")
@@ -73,7 +78,11 @@ def _cmdclass(ext_modules: list) -> dict:
         return {}
     from torch.utils.cpp_extension import BuildExtension
 
-    return {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
+    return {
+        "build_ext": BuildExtension.with_options(
+            use_ninja=shutil.which("ninja") is not None
+        )
+    }
 
 
 ext_modules = _extension_modules()

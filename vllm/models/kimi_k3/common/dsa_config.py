@@ -1,0 +1,359 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Kimi K3.1's ``dsa_config``: its parsed form and every rule we serve it by.
+
+A Kimi K3.1 checkpoint is a Kimi K3 checkpoint whose text config carries a
+``dsa_config`` block: its full-attention MLA layers become DSA layers (a
+lightning indexer keeps the top-k cached tokens, sparse MLA attends to them).
+This module is the one place that decides whether a checkpoint is such a model
+and refuses what we cannot serve correctly. The HF config classes below parse
+the block into an immutable :class:`DSAConfig`; the config verifier (see the
+``vllm.plugins.kimi_k3_dsa`` seams) calls :func:`verify_dsa_vllm_config` with
+the whole engine configuration.
+
+Without ``dsa_config`` (plain Kimi K3, Kimi-Linear) the classes behave exactly
+as vLLM 0.33.0's: ``config.dsa_config is None`` and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+from vllm.transformers_utils.configs.kimi_k3 import KimiK3Config
+from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+INDEX_K_NORM_TYPES = ("rmsnorm", "layernorm")
+# DeepGEMM's indexer MQA-logits kernels pad the heads to 32 or 64 and take no
+# more.
+MAX_INDEX_NUM_HEADS = 64
+INDEX_HEAD_DIM_MULTIPLE = 32
+# Cache dtypes a user may ask for, and what each becomes for a DSA model: the
+# FlashMLA sparse kernels read only the fp8_ds_mla format.
+DSA_CACHE_DTYPES: dict[str, str] = {
+    "auto": "fp8_ds_mla",
+    "fp8": "fp8_ds_mla",
+    "fp8_e4m3": "fp8_ds_mla",
+    "fp8_ds_mla": "fp8_ds_mla",
+}
+# Indexer key dtypes (--attention-config '{"indexer_kv_dtype": ...}').
+DSA_INDEXER_KV_DTYPES = ("auto", "fp8", "mxfp4")
+ROCM_REASON = (
+    "Kimi-K3.1 DSA requires the CUDA FlashMLA sparse / DeepGEMM indexer "
+    "kernels; ROCm is not supported."
+)
+
+
+@dataclass(frozen=True)
+class DSAConfig:
+    """The ``dsa_config`` block of a Kimi K3.1 text config.
+
+    ``index_layers`` is the optional 1-indexed list of DSA layers; when given
+    it must name exactly the full-attention layers.
+    """
+
+    index_topk: int
+    index_head_dim: int
+    index_num_heads: int
+    index_rope_dim: int = 0
+    index_k_norm_type: str = "rmsnorm"
+    index_topk_freq: int | None = 1
+    index_layers: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> DSAConfig:
+        """Parse and check each field on its own (see :func:`check_dsa_model`
+        for the rules that need the rest of the text config)."""
+        if not isinstance(raw, Mapping):
+            raise ValueError(
+                f"dsa_config must be a JSON object, got {type(raw).__name__}"
+            )
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(
+                f"dsa_config has unknown field(s) {unknown}; accepted fields are "
+                f"{sorted(known)}"
+            )
+        for name in ("index_topk", "index_head_dim", "index_num_heads"):
+            if raw.get(name) is None:
+                raise ValueError(f"dsa_config.{name} is required and missing")
+        values = dict(raw)
+        layers = values.get("index_layers")
+        if layers is not None:
+            values["index_layers"] = _parse_layer_list(layers)
+        config = cls(**values)
+        config._check_fields()
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form, as it appears in config.json."""
+        out = dataclasses.asdict(self)
+        if self.index_layers is None:
+            del out["index_layers"]
+        else:
+            out["index_layers"] = list(self.index_layers)
+        return out
+
+    def _check_fields(self) -> None:
+        for name in ("index_topk", "index_head_dim", "index_num_heads"):
+            _require_int(name, getattr(self, name))
+        _require_int("index_rope_dim", self.index_rope_dim)
+        if self.index_topk <= 0:
+            raise ValueError(
+                f"dsa_config.index_topk must be a positive integer, got "
+                f"{self.index_topk}"
+            )
+        if (
+            self.index_head_dim <= 0
+            or self.index_head_dim % INDEX_HEAD_DIM_MULTIPLE != 0
+        ):
+            raise ValueError(
+                f"dsa_config.index_head_dim must be a positive multiple of "
+                f"{INDEX_HEAD_DIM_MULTIPLE} (one MXFP4 scale per 32 values), got "
+                f"{self.index_head_dim}"
+            )
+        if not 1 <= self.index_num_heads <= MAX_INDEX_NUM_HEADS:
+            raise ValueError(
+                f"dsa_config.index_num_heads must be in 1..{MAX_INDEX_NUM_HEADS} "
+                "(DeepGEMM's indexer kernels pad to 32 or 64 heads and support no "
+                f"more), got {self.index_num_heads}"
+            )
+        if self.index_rope_dim < 0 or self.index_rope_dim % 2 != 0:
+            raise ValueError(
+                "dsa_config.index_rope_dim must be even and >= 0, got "
+                f"{self.index_rope_dim}"
+            )
+        if self.index_rope_dim > self.index_head_dim:
+            raise ValueError(
+                f"dsa_config.index_rope_dim ({self.index_rope_dim}) must not "
+                f"exceed index_head_dim ({self.index_head_dim})"
+            )
+        if self.index_k_norm_type not in INDEX_K_NORM_TYPES:
+            raise ValueError(
+                "dsa_config.index_k_norm_type must be 'rmsnorm' or 'layernorm', "
+                f"got {self.index_k_norm_type!r}"
+            )
+        if self.index_topk_freq not in (None, 1) or isinstance(
+            self.index_topk_freq, bool
+        ):
+            raise NotImplementedError(
+                "Kimi-K3.1 DSA does not support index_topk_freq != 1 (index "
+                f"share); dsa_config.index_topk_freq accepts 1 or null, got "
+                f"{self.index_topk_freq!r}"
+            )
+
+
+def _require_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(
+            f"dsa_config.{name} must be an integer, got {value!r} "
+            f"({type(value).__name__})"
+        )
+
+
+def _parse_layer_list(layers: Any) -> tuple[int, ...]:
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise ValueError(
+            "dsa_config.index_layers must be a list of 1-indexed layer numbers, "
+            f"got {layers!r}"
+        )
+    for layer in layers:
+        if not isinstance(layer, int) or isinstance(layer, bool) or layer < 1:
+            raise ValueError(
+                "dsa_config.index_layers must hold 1-indexed layer numbers (>= 1), "
+                f"got {layer!r} in {list(layers)}"
+            )
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"dsa_config.index_layers lists a layer twice: {list(layers)}")
+    return tuple(layers)
+
+
+def full_attention_layers(text_config: KimiLinearConfig) -> tuple[int, ...]:
+    """1-indexed layers that Kimi K3's decoder builds as full attention.
+
+    vLLM 0.33.0's ``KimiDecoderLayer`` decides by ``is_kda_layer`` alone: every
+    layer that is not a KDA layer is an MLA layer.
+    """
+    return tuple(
+        layer_idx + 1
+        for layer_idx in range(text_config.num_hidden_layers)
+        if not text_config.is_kda_layer(layer_idx)
+    )
+
+
+def check_dsa_model(dsa: DSAConfig, text_config: KimiLinearConfig) -> None:
+    """The rules that tie ``dsa_config`` to the rest of the text config."""
+    qk_rope_head_dim = text_config.qk_rope_head_dim or 0
+    if dsa.index_rope_dim > qk_rope_head_dim:
+        raise ValueError(
+            f"dsa_config.index_rope_dim ({dsa.index_rope_dim}) must not exceed "
+            f"qk_rope_head_dim ({qk_rope_head_dim}): the indexer reuses the "
+            "leading frequencies of the main attention's rotary cache"
+        )
+    if dsa.index_rope_dim > 0 and text_config.mla_use_nope:
+        raise ValueError(
+            f"dsa_config.index_rope_dim ({dsa.index_rope_dim}) must be 0 when "
+            "mla_use_nope is true (there is no rotary cache to share)"
+        )
+    full_attn = full_attention_layers(text_config)
+    linear_attn_config = text_config.linear_attn_config
+    declared = (
+        None
+        if linear_attn_config is None
+        else tuple(linear_attn_config["full_attn_layers"])
+    )
+    if declared is not None and sorted(declared) != list(full_attn):
+        raise ValueError(
+            "every full-attention layer must be a DSA layer: "
+            f"linear_attn_config['full_attn_layers'] is {list(declared)}, but the "
+            f"layers that are not KDA layers are {list(full_attn)}"
+        )
+    if dsa.index_layers is not None and sorted(dsa.index_layers) != list(full_attn):
+        raise ValueError(
+            f"dsa_config.index_layers ({list(dsa.index_layers)}) must equal the "
+            f"full-attention layers {list(full_attn)} "
+            "(linear_attn_config['full_attn_layers'], 1-indexed)"
+        )
+
+
+class KimiLinearDSAConfig(KimiLinearConfig):
+    """``KimiLinearConfig`` that parses ``dsa_config`` (Kimi K3.1).
+
+    Stands for adding the field to vLLM's ``KimiLinearConfig``. It also exposes
+    ``index_topk`` at the top level, which 0.33.0's FlashMLA sparse metadata
+    builder reads from ``hf_text_config``.
+    """
+
+    def __init__(self, dsa_config: Mapping[str, Any] | DSAConfig | None = None, **kw):
+        super().__init__(**kw)
+        if isinstance(dsa_config, Mapping):
+            dsa_config = DSAConfig.from_dict(dsa_config)
+        elif dsa_config is not None and not isinstance(dsa_config, DSAConfig):
+            raise ValueError(
+                "dsa_config must be a JSON object or null, got "
+                f"{type(dsa_config).__name__}"
+            )
+        self.dsa_config: DSAConfig | None = dsa_config
+        if dsa_config is not None:
+            check_dsa_model(dsa_config, self)
+            self.index_topk = dsa_config.index_topk
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if self.dsa_config is None:
+            out.pop("dsa_config", None)
+        else:
+            out["dsa_config"] = self.dsa_config.to_dict()
+            # Derived from dsa_config; re-created on load.
+            out.pop("index_topk", None)
+        return out
+
+
+class KimiK3DSAConfig(KimiK3Config):
+    """``KimiK3Config`` whose text config is a :class:`KimiLinearDSAConfig`.
+
+    A subclass, so the multimodal processor's ``isinstance(..., KimiK3Config)``
+    check keeps accepting it.
+    """
+
+    def __init__(
+        self, text_config: Mapping[str, Any] | KimiLinearConfig | None = None, **kw
+    ):
+        if isinstance(text_config, Mapping):
+            text_config = KimiLinearDSAConfig(**text_config)
+        super().__init__(text_config=text_config, **kw)
+
+
+def is_dsa_model(text_config: Any) -> bool:
+    """Whether a (text) config is a Kimi K3.1 DSA model."""
+    return getattr(text_config, "dsa_config", None) is not None
+
+
+def resolve_dsa_cache_dtype(cache_dtype: str) -> str:
+    """The KV cache dtype a DSA model runs with, for the one the user asked."""
+    resolved = DSA_CACHE_DTYPES.get(cache_dtype)
+    if resolved is None:
+        raise ValueError(
+            f"--kv-cache-dtype {cache_dtype!r} is not supported for Kimi-K3.1 DSA "
+            f"models: accepted values are {sorted(DSA_CACHE_DTYPES)} (each becomes "
+            "'fp8_ds_mla', the only format the FlashMLA sparse kernels read)"
+        )
+    return resolved
+
+
+def check_indexer_kv_dtype(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
+    """Validate ``--attention-config '{"indexer_kv_dtype": ...}'``.
+
+    MXFP4 keys are written only by the fused key insert (layernorm k-norm, no
+    indexer rope), are not gathered under prefill context parallelism, and are
+    read by DeepGEMM's FP4 MQA logits, which exist on SM10x only.
+    """
+    from vllm.platforms import current_platform
+
+    requested = getattr(vllm_config.attention_config, "indexer_kv_dtype", "auto")
+    if requested not in DSA_INDEXER_KV_DTYPES:
+        raise ValueError(
+            f"attention_config.indexer_kv_dtype {requested!r} is not supported for "
+            f"Kimi-K3.1 DSA: accepted values are {list(DSA_INDEXER_KV_DTYPES)}"
+        )
+    if requested != "mxfp4":
+        return
+    if not (dsa.index_k_norm_type == "layernorm" and dsa.index_rope_dim == 0):
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' needs the fused Kimi K3 DSA key insert "
+            "(index_k_norm_type='layernorm', index_rope_dim=0), got "
+            f"index_k_norm_type={dsa.index_k_norm_type!r}, "
+            f"index_rope_dim={dsa.index_rope_dim}"
+        )
+    if vllm_config.parallel_config.prefill_context_parallel_size > 1:
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' is not supported with prefill context "
+            "parallelism for Kimi K3 DSA."
+        )
+    if current_platform.is_cuda() and not current_platform.is_device_capability_family(
+        100
+    ):
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' needs an SM10x GPU (DeepGEMM's FP4 MQA "
+            f"logits); this GPU is SM{current_platform.get_device_capability()}. "
+            "Use indexer_kv_dtype='fp8' (or 'auto')."
+        )
+
+
+def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
+    """Refuse what cannot be served and force the cache format, for a Kimi
+    K3.1 model; a no-op for any other model.
+
+    Runs at config verification, before the model exists: the runner resolves
+    the KV cache dtype from ``cache_config.cache_dtype`` before the layers are
+    built, so switching it inside the model would size the cache wrongly.
+    """
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    text_config = getattr(model_config, "hf_text_config", None)
+    if not is_dsa_model(text_config):
+        return
+    if current_platform.is_rocm():
+        raise NotImplementedError(ROCM_REASON)
+    dsa: DSAConfig = text_config.dsa_config
+    check_dsa_model(dsa, text_config)
+    check_indexer_kv_dtype(vllm_config, dsa)
+    cache_config = vllm_config.cache_config
+    requested = cache_config.cache_dtype
+    resolved = resolve_dsa_cache_dtype(requested)
+    if resolved != requested:
+        logger.info_once(
+            "Kimi-K3.1 DSA: using kv_cache_dtype 'fp8_ds_mla' (requested %r), the "
+            "format the FlashMLA sparse kernels read.",
+            requested,
+        )
+        cache_config.cache_dtype = resolved

@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The seams that wire Kimi K3.1 DSA into vLLM 0.33.0.
+
+vLLM 0.33.0 cannot know about DSA. In a fork, each seam below would be an edit
+of an upstream file; here each is a small patch module of this folder, applied
+by :func:`register`, the ``vllm.general_plugins`` entry point, which vLLM calls
+in the front-end, the engine core and every worker. Each module's docstring
+says which upstream function or file it stands for, why, and the in-tree edit
+it replaces. The seams only wire; the logic lives in the model, cache and
+config layers (``vllm.models.kimi_k3.{common,nvidia}``).
+
+===================  =========================================================
+Patch module         Upstream target (vLLM 0.33.0) -> the in-tree edit
+===================  =========================================================
+``hf_config``        ``transformers_utils/config.py`` ``_CONFIG_REGISTRY``
+                     -> a ``dsa_config`` field on ``KimiLinearConfig``
+``config_verifier``  ``model_executor/models/config.py`` ``MODELS_CONFIG_MAP``
+                     -> DSA rules and ``fp8_ds_mla`` in the Kimi K3 verifier
+===================  =========================================================
+
+The patches target 0.33.0's internals, so :func:`register` refuses any other
+vLLM: a silently half-applied series would serve a wrong model.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from packaging.version import InvalidVersion, Version
+
+REQUIRED_VLLM_VERSION = "0.33.0"
+
+# Applied in this order; each module exposes an idempotent ``apply()``.
+PATCH_MODULES: tuple[str, ...] = (
+    "hf_config",
+    "config_verifier",
+)
+
+_registered = False
+
+
+def check_vllm_version(installed: str) -> None:
+    """Raise unless ``installed`` is vLLM 0.33.0 (a local build tag is fine)."""
+    try:
+        public = Version(installed).public
+    except InvalidVersion:
+        public = installed
+    if public != REQUIRED_VLLM_VERSION:
+        raise RuntimeError(
+            f"vllm-kimi-k3-dsa needs vLLM {REQUIRED_VLLM_VERSION}, but vLLM "
+            f"{installed} is installed: its patches target {REQUIRED_VLLM_VERSION}'s "
+            f"internals. Install vllm=={REQUIRED_VLLM_VERSION}, or uninstall "
+            "vllm-kimi-k3-dsa."
+        )
+
+
+def register() -> None:
+    """Apply every seam once per process (vLLM may call this several times)."""
+    global _registered
+    if _registered:
+        return
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    for name in PATCH_MODULES:
+        importlib.import_module(f"{__name__}.{name}").apply()
+    _registered = True

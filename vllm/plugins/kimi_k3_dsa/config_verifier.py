@@ -1,0 +1,60 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Seam: the Kimi K3 config verifier knows DSA.
+
+Upstream target: ``vllm/model_executor/models/config.py``, ``MODELS_CONFIG_MAP``
+entries ``KimiK3ForConditionalGeneration`` and ``KimiK3MTPModel``
+(``KimiK3ForConditionalGenerationConfig``) and a new ``KimiLinearForCausalLM``
+entry.
+
+Why: a DSA model must run with the ``fp8_ds_mla`` cache and must be refused at
+config time when it cannot be served. The runner resolves the KV cache dtype
+from ``cache_config.cache_dtype`` before the model is built, so the forcing
+belongs in the verifier, never in the model.
+
+In-tree edit: a ``verify_and_update_config`` on
+``KimiK3ForConditionalGenerationConfig`` calling
+:func:`~vllm.models.kimi_k3.common.dsa_config.verify_dsa_vllm_config`, and the
+same hook registered for ``KimiLinearForCausalLM``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm.model_executor.models.config import (
+    KimiK3ForConditionalGenerationConfig,
+    VerifyAndUpdateConfig,
+)
+from vllm.models.kimi_k3.common.dsa_config import verify_dsa_vllm_config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+class KimiK3DSAVerifier(KimiK3ForConditionalGenerationConfig):
+    """0.33.0's Kimi K3 verifier (MXFP4 expert routing) plus the DSA rules."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: VllmConfig) -> None:
+        verify_dsa_vllm_config(vllm_config)
+
+
+class KimiLinearDSAVerifier(VerifyAndUpdateConfig):
+    """Kimi-Linear had no verifier: only the DSA rules, nothing else."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: VllmConfig) -> None:
+        verify_dsa_vllm_config(vllm_config)
+
+
+VERIFIERS: dict[str, type[VerifyAndUpdateConfig]] = {
+    "KimiK3ForConditionalGeneration": KimiK3DSAVerifier,
+    "KimiK3MTPModel": KimiK3DSAVerifier,
+    "KimiLinearForCausalLM": KimiLinearDSAVerifier,
+}
+
+
+def apply() -> None:
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    MODELS_CONFIG_MAP.update(VERIFIERS)
