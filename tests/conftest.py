@@ -1,0 +1,61 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared fixtures of the CPU suite, run against the real vLLM 0.33.0 install.
+
+On a machine without a GPU, vLLM's ``current_platform`` is
+``UnspecifiedPlatform``, which cannot build a ``DeviceConfig``. With
+``VLLM_TARGET_DEVICE=cpu`` it is ``CpuPlatform``, and
+``EngineArgs(...).create_engine_config()`` runs the whole configuration path a
+user's ``vllm serve`` takes (HF config parsing, the model verifiers, the
+general plugins). Set before anything imports vLLM.
+"""
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def _has_vllm() -> bool:
+    try:
+        import vllm.config  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path: Path) -> Callable[..., Path]:
+    """Write a tiny Kimi K3.1 config.json; keyword overrides replace top-level
+    text-config keys (``dsa=False`` writes plain Kimi K3)."""
+    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import write_tiny_config
+
+    counter = iter(range(1_000_000))
+
+    def make(dsa: bool = True, **overrides: Any) -> Path:
+        return write_tiny_config(
+            tmp_path / f"ckpt{next(counter)}", dsa=dsa, **overrides
+        )
+
+    return make
+
+
+@pytest.fixture
+def engine_config() -> Callable[..., Any]:
+    """Run vLLM's real configuration path on a checkpoint directory:
+    ``engine_config(path, kv_cache_dtype="fp8", attention_config={...})``."""
+    if not _has_vllm():
+        pytest.skip("vLLM 0.33.0 is not installed")
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(model: Path, **kwargs: Any) -> Any:
+        kwargs.setdefault("enable_prefix_caching", False)
+        kwargs.setdefault("max_model_len", 1024)
+        kwargs.setdefault("skip_tokenizer_init", True)
+        return EngineArgs(model=str(model), **kwargs).create_engine_config()
+
+    return make
