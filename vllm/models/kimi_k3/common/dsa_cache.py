@@ -1,1 +1,391 @@
-"""Kimi K3.1 DSA indexer cache, shared by the NVIDIA and ROCm stacks."""
+# SPDX-License-Identifier: Apache-2.0
+"""Kimi K3.1 DSA caches: the indexer cache layer, its metadata builder, and the
+byte arithmetic that sizes the packed block row.
+
+Every DSA layer of Kimi K3.1 owns two token caches:
+
+* the MLA cache in ``fp8_ds_mla`` format, 656 B/token (512 fp8 latent values,
+  4 fp32 power-of-two scales, 64 bf16 rope values), written by the attention
+  layer and read by FlashMLA sparse;
+* the indexer key cache, :func:`indexer_cache_entry_bytes` per token (132 B
+  for fp8 keys of head dim 128, 68 B for MXFP4), owned by
+  :class:`KimiK3IndexerCache` and read by DeepGEMM's MQA logits.
+
+Kimi K3.1 is a KDA hybrid: its 69 KDA layers keep per-request recurrent and
+conv states. With a block-outermost KV cache layout one block row holds every
+DSA layer's MLA and indexer pages (plus a dense MLA draft's pages) and, in
+the state groups, KDA states; :func:`packed_dsa_block_size` sizes the block so
+that one row fits the states it must hold.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
+from vllm.utils.math_utils import cdiv
+from vllm.v1.attention.backends.mla.compressor_utils import (
+    get_compressed_slot_mapping,
+)
+from vllm.v1.attention.backends.mla.indexer import (
+    DeepseekV32IndexerBackend,
+    DeepseekV32IndexerMetadata,
+    DeepseekV32IndexerMetadataBuilder,
+    dsa_indexer_uses_fp4,
+)
+from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+# One UE8M0 scale byte per 32 MXFP4 values (the OCP MX block).
+MXFP4_BLOCK_SIZE = 32
+# One fp32 scale per token for fp8 indexer keys (DeepGEMM's layout).
+FP8_INDEXER_SCALE_BYTES = 4
+# fp8_ds_mla: one fp32 scale per 128 latent values, rope values kept in bf16.
+FP8_DS_MLA_TILE = 128
+FP8_DS_MLA_SCALE_BYTES = 4
+FP8_DS_MLA_ROPE_DTYPE_BYTES = 2
+# Kernel page of the indexer and FlashMLA sparse caches on CUDA.
+DSA_KERNEL_BLOCK_SIZE = 64
+
+# Reference TP of the packed block size (see ``packed_dsa_block_size``).
+#
+# A KDA state shards with TP (its heads are split), a DSA row does not (the
+# MLA latent and the indexer keys are replicated per rank). Sizing the block
+# at each TP on its own would give block sizes of different TP sizes that do
+# not divide one another; prefill/decode ("PD") disaggregation moves KV blocks
+# between instances of different TP and needs that they do. So the block is
+# rounded once at this reference TP, where the unsharded state is split 16
+# ways, and scaled by ``_PD_REFERENCE_TP / tp``: the block of TP t is then
+# ``units * alignment * 16 / t`` with ``units`` the same for every t dividing
+# 16, so block sizes of TP 1, 2, 4, 8 and 16 divide one another. 16 is the
+# largest TP Kimi K3.1 is served at (96 attention and KDA heads, 2 nodes of 8
+# GPUs); a larger TP is handled through ``lcm(_PD_REFERENCE_TP, tp)``.
+_PD_REFERENCE_TP = 16
+
+# Dense MLA drafts whose full-attention MLA specs group with the target's
+# DSA row (their pages sit in the same block row).
+DENSE_MLA_DRAFT_METHODS = ("eagle3", "dspark")
+
+
+def indexer_cache_entry_bytes(head_dim: int, use_fp4_cache: bool) -> int:
+    """Indexer key cache bytes per token.
+
+    FP8: ``head_dim`` e4m3 values and one 4 B scale (132 B at head dim 128).
+    MXFP4: two e2m1 values per byte and one UE8M0 byte per 32 values (68 B at
+    head dim 128).
+    """
+    if use_fp4_cache:
+        if head_dim % MXFP4_BLOCK_SIZE:
+            raise ValueError(
+                f"MXFP4 indexer keys need a head dim that is a multiple of "
+                f"{MXFP4_BLOCK_SIZE}, got {head_dim}"
+            )
+        return head_dim // 2 + head_dim // MXFP4_BLOCK_SIZE
+    return head_dim + FP8_INDEXER_SCALE_BYTES
+
+
+def fp8_ds_mla_bytes_per_token(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
+    """Bytes of one token in the ``fp8_ds_mla`` format: fp8 latent values, one
+    fp32 scale per 128 of them, bf16 rope values (656 for 512 + 64)."""
+    return (
+        kv_lora_rank
+        + cdiv(kv_lora_rank, FP8_DS_MLA_TILE) * FP8_DS_MLA_SCALE_BYTES
+        + qk_rope_head_dim * FP8_DS_MLA_ROPE_DTYPE_BYTES
+    )
+
+
+def mla_page_bytes_per_token(
+    cache_dtype: str,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    model_config: Any = None,
+) -> int:
+    """Per-token bytes of one MLA layer's cache page, as the runner allocates
+    it.
+
+    0.33.0's ``MLAAttentionSpec`` counts ``fp8_ds_mla`` as 576 B unless
+    ``state_content_bytes`` is passed; the layer passes 656 and so do we, so
+    the sizing never undercounts the real page.
+    """
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+
+    state_content_bytes = None
+    if cache_dtype == "fp8_ds_mla":
+        state_content_bytes = fp8_ds_mla_bytes_per_token(kv_lora_rank, qk_rope_head_dim)
+    return MLAAttentionSpec(
+        block_size=1,
+        num_kv_heads=1,
+        head_size=kv_lora_rank + qk_rope_head_dim,
+        dtype=kv_cache_dtype_str_to_dtype(cache_dtype, model_config),
+        cache_dtype_str=cache_dtype,
+        kv_quant_mode=get_kv_quant_mode(cache_dtype),
+        state_content_bytes=state_content_bytes,
+    ).page_size_bytes
+
+
+def kimi_k3_indexer_uses_fp4(vllm_config: VllmConfig) -> bool:
+    """Whether the indexer keys are MXFP4 (68 B/token) instead of fp8
+    (132 B/token, the default, ``indexer_kv_dtype='auto'``).
+
+    MXFP4 is opt-in (``--attention-config '{"indexer_kv_dtype": "mxfp4"}'``)
+    and needs SM10x (checked by 0.33.0's ``dsa_indexer_uses_fp4``), the fused
+    key insert (layernorm k-norm, no indexer RoPE) and no prefill context
+    parallelism; anything else raises instead of writing another format.
+    """
+    if not dsa_indexer_uses_fp4(vllm_config):
+        return False
+    model_config = getattr(vllm_config, "model_config", None)
+    text_config = getattr(model_config, "hf_text_config", None)
+    dsa_config = getattr(text_config, "dsa_config", None)
+    if dsa_config is not None and not (
+        getattr(dsa_config, "index_k_norm_type", "rmsnorm") == "layernorm"
+        and getattr(dsa_config, "index_rope_dim", 0) == 0
+    ):
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' needs the fused Kimi K3 DSA key insert "
+            "(index_k_norm_type='layernorm', index_rope_dim=0)."
+        )
+    parallel_config = getattr(vllm_config, "parallel_config", None)
+    if getattr(parallel_config, "prefill_context_parallel_size", 1) > 1:
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' is not supported with prefill context "
+            "parallelism for Kimi K3 DSA."
+        )
+    return True
+
+
+def check_packed_dsa_layout(vllm_config: VllmConfig) -> None:
+    """Refuse a parallel layout the packed DSA caches cannot be written in.
+
+    Under prefill context parallelism a token's indexer key and MLA latent
+    are written by the rank that owns it, through manager-block slots that
+    interleave across ranks; the block-table-derived slots of the packed row
+    (see :class:`KimiK3IndexerMetadataBuilder`) do not model that.
+    """
+    parallel_config = vllm_config.parallel_config
+    pcp = getattr(parallel_config, "prefill_context_parallel_size", 1)
+    if pcp > 1:
+        raise NotImplementedError(
+            "Kimi-K3.1 packed DSA caches with PCP: prefill context parallelism "
+            f"(prefill_context_parallel_size={pcp}) is not supported for Kimi "
+            "K3.1 DSA models; use tensor or decode context parallelism instead."
+        )
+
+
+def is_kda_hybrid_dsa(vllm_config: VllmConfig) -> bool:
+    """Whether the target model is a KDA-hybrid DSA model (Kimi K3.1)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    text_config = getattr(model_config, "hf_text_config", None)
+    return (
+        getattr(text_config, "dsa_config", None) is not None
+        and getattr(text_config, "linear_attn_config", None) is not None
+    )
+
+
+def dense_mla_draft_bytes_per_token(vllm_config: VllmConfig) -> int:
+    """Per-token bytes of a dense MLA draft's caches, which share the DSA row:
+    the full-attention MLA specs of an eagle3 / dspark draft with an MLA
+    latent group with the target's. 0 without such a draft.
+
+    The draft's ``fp8_ds_mla`` page is counted at 656 B/token, as the layer
+    allocates it (0.33.0's spec would say 576 without ``state_content_bytes``).
+    """
+    spec_config = vllm_config.speculative_config
+    if spec_config is None or spec_config.method not in DENSE_MLA_DRAFT_METHODS:
+        return 0
+    draft_model_config = spec_config.draft_model_config
+    if draft_model_config is None:
+        return 0
+    draft_config = draft_model_config.hf_text_config
+    kv_lora_rank = getattr(draft_config, "kv_lora_rank", None)
+    if kv_lora_rank is None:
+        return 0
+    cache_dtype = spec_config.kv_cache_dtype or vllm_config.cache_config.cache_dtype
+    page = mla_page_bytes_per_token(
+        cache_dtype,
+        kv_lora_rank,
+        getattr(draft_config, "qk_rope_head_dim", 0) or 0,
+        draft_model_config,
+    )
+    return draft_config.num_hidden_layers * page
+
+
+def dsa_layer_counts(text_config: Any) -> tuple[int, int]:
+    """(DSA layers, KDA layers) of a Kimi K3.1 text config."""
+    linear_attn_config = text_config.linear_attn_config
+    return (
+        len(linear_attn_config["full_attn_layers"]),
+        len(linear_attn_config["kda_layers"]),
+    )
+
+
+def states_per_row(num_dsa: int, num_states: int) -> int:
+    """KDA states one packed row must hold: the states are spread over as few
+    rows per block as the DSA pages allow, evenly."""
+    return cdiv(num_states, cdiv(num_states, num_dsa))
+
+
+def packed_row_bytes_per_token(
+    num_dsa: int,
+    mla_bytes_per_token: int,
+    index_bytes_per_token: int,
+    draft_bytes_per_token: int = 0,
+) -> int:
+    """Bytes one token adds to a packed DSA row."""
+    return num_dsa * (mla_bytes_per_token + index_bytes_per_token) + (
+        draft_bytes_per_token
+    )
+
+
+def packed_block_size_from_bytes(
+    row_bytes_per_token: int,
+    num_states_in_row: int,
+    state_bytes: int,
+    alignment: int,
+    tp_size: int,
+) -> int:
+    """The rule of :func:`packed_dsa_block_size`, on plain numbers.
+
+    ``state_bytes`` is one KDA state on one rank (sharded by ``tp_size``).
+    """
+    if min(row_bytes_per_token, num_states_in_row, alignment, tp_size) <= 0:
+        raise ValueError(
+            "packed DSA block size needs positive row bytes, states, alignment "
+            f"and TP; got row_bytes_per_token={row_bytes_per_token}, "
+            f"states={num_states_in_row}, alignment={alignment}, tp={tp_size}"
+        )
+    reference_tp = math.lcm(_PD_REFERENCE_TP, tp_size)
+    # TP-invariant: the unsharded state bytes, in reference-TP block units.
+    reference_units = cdiv(
+        num_states_in_row * state_bytes * tp_size,
+        alignment * reference_tp * row_bytes_per_token,
+    )
+    return alignment * reference_units * (reference_tp // tp_size)
+
+
+def packed_dsa_block_size(
+    vllm_config: VllmConfig,
+    mla_bytes_per_token: int,
+    state_bytes: int,
+    alignment: int,
+) -> int | None:
+    """Block size of the packed cache of a KDA-hybrid DSA model, else None.
+
+    A block row holds every DSA layer's MLA and indexer pages, plus a dense
+    MLA draft's pages; size it to fit as many KDA states as the row must hold
+    (:func:`states_per_row`). The KDA state shards with TP and the row does
+    not, so the block is rounded at ``_PD_REFERENCE_TP`` and scaled by
+    ``_PD_REFERENCE_TP / tp``: block sizes of TP 1, 2, 4, 8 and 16 divide one
+    another, and the rounding stays fine (a power of two would leave up to half
+    the row empty once spec decoding grows the conv state).
+
+    ``mla_bytes_per_token`` is one DSA layer's MLA page per token (656 for
+    ``fp8_ds_mla``), ``state_bytes`` one KDA state on one rank, ``alignment``
+    the kernel block alignment the result must be a multiple of.
+    """
+    if not is_kda_hybrid_dsa(vllm_config):
+        return None
+    text_config = vllm_config.model_config.hf_text_config
+    num_dsa, num_states = dsa_layer_counts(text_config)
+    index_bytes = indexer_cache_entry_bytes(
+        text_config.dsa_config.index_head_dim, kimi_k3_indexer_uses_fp4(vllm_config)
+    )
+    row_bytes_per_token = packed_row_bytes_per_token(
+        num_dsa,
+        mla_bytes_per_token,
+        index_bytes,
+        dense_mla_draft_bytes_per_token(vllm_config),
+    )
+    return packed_block_size_from_bytes(
+        row_bytes_per_token,
+        states_per_row(num_dsa, num_states),
+        state_bytes,
+        alignment,
+        vllm_config.parallel_config.tensor_parallel_size,
+    )
+
+
+class KimiK3IndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
+    """Writes the indexer keys at slots derived from the block table, as the
+    compressed indexers are written: in a packed block row the block table
+    addresses 64-token kernel pages, which manager slots do not.
+
+    With ``compress_ratio=1`` ``get_compressed_slot_mapping`` recomputes each
+    token's slot as ``block_table[req, pos // bs] * bs + pos % bs`` over the
+    kernel block table the runner hands a split group, and keeps -1 (do not
+    write) for padded tokens and tokens another DCP rank owns.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        vllm_config = kwargs.get("vllm_config", args[2] if len(args) > 2 else None)
+        if vllm_config is not None:
+            # Before the base class touches the PCP group.
+            check_packed_dsa_layout(vllm_config)
+        super().__init__(*args, **kwargs)
+        if self.use_pcp:
+            raise NotImplementedError("Kimi-K3.1 packed DSA caches with PCP")
+        # The K3.1 key format, validated when the builder is made.
+        self.indexer_uses_fp4 = kimi_k3_indexer_uses_fp4(self.vllm_config)
+        self.slot_mapping_buffer = torch.zeros(
+            self.vllm_config.scheduler_config.max_num_batched_tokens,
+            dtype=torch.int64,
+            device=self.device,
+        )
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> DeepseekV32IndexerMetadata:
+        slot_mapping = get_compressed_slot_mapping(
+            common_attn_metadata.num_actual_tokens,
+            common_attn_metadata.slot_mapping,
+            common_attn_metadata.query_start_loc,
+            common_attn_metadata.seq_lens,
+            common_attn_metadata.block_table_tensor,
+            self.kv_cache_spec.block_size,
+            compress_ratio=1,
+            out=self.slot_mapping_buffer,
+            dcp_world_size=self.dcp_world_size,
+            cp_interleave=self.cp_kv_cache_interleave_size,
+        )
+        return super().build(
+            common_prefix_len,
+            replace(common_attn_metadata, slot_mapping=slot_mapping),
+            fast_build,
+        )
+
+
+class KimiK3IndexerBackend(DeepseekV32IndexerBackend):
+    """0.33.0's DSA indexer backend with the Kimi K3.1 builder."""
+
+    @staticmethod
+    def get_builder_cls() -> type[KimiK3IndexerMetadataBuilder]:  # type: ignore[override]
+        return KimiK3IndexerMetadataBuilder
+
+
+class KimiK3IndexerCache(DeepseekV32IndexerCache):
+    """The indexer key cache of one Kimi K3.1 DSA layer.
+
+    ``head_dim`` is the per-token entry in bytes
+    (:func:`indexer_cache_entry_bytes`) and ``dtype`` is ``torch.uint8``. Its
+    spec is 0.33.0's (a one-head ``MLAAttentionSpec`` in the indexer role, so
+    it shares the block table of the layer's MLA cache); its backend builds
+    :class:`KimiK3IndexerMetadataBuilder`.
+    """
+
+    def get_attn_backend(self) -> type[KimiK3IndexerBackend]:  # type: ignore[override]
+        return KimiK3IndexerBackend
+
+
+def is_kimi_k3_dsa_backend(backend: Any) -> bool:
+    """Whether an attention backend class writes one of our packed caches."""
+    return isinstance(backend, type) and issubclass(backend, KimiK3IndexerBackend)
