@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm.logger import init_logger
 from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backends.mla.compressor_utils import (
@@ -37,11 +38,17 @@ from vllm.v1.attention.backends.mla.indexer import (
     DeepseekV32IndexerMetadataBuilder,
     dsa_indexer_uses_fp4,
 )
-from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
+from vllm.v1.kv_cache_interface import (
+    KVCacheLayout,
+    MLAAttentionSpec,
+    get_kv_quant_mode,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.attention.backend import CommonAttentionMetadata
+
+logger = init_logger(__name__)
 
 # One UE8M0 scale byte per 32 MXFP4 values (the OCP MX block).
 MXFP4_BLOCK_SIZE = 32
@@ -312,6 +319,154 @@ def packed_dsa_block_size(
     )
 
 
+def kda_state_bytes(
+    num_heads: int,
+    head_dim: int,
+    conv_kernel_size: int,
+    tp_size: int,
+    num_speculative_tokens: int = 0,
+    conv_dtype: torch.dtype = torch.bfloat16,
+    recurrent_dtype: torch.dtype = torch.float32,
+) -> int:
+    """Bytes of one KDA layer's state of one request on one TP rank: the conv
+    state (q, k and v channels, ``conv_kernel_size - 1 + num_spec`` taps) and
+    the recurrent state (``head_dim x head_dim`` per head), as 0.33.0's
+    ``MambaStateShapeCalculator.kda_state_shape`` shapes them."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
+    conv_shape, recurrent_shape = MambaStateShapeCalculator.kda_state_shape(
+        tp_size,
+        num_heads,
+        head_dim,
+        conv_kernel_size=conv_kernel_size,
+        num_spec=num_speculative_tokens,
+    )
+    return (
+        math.prod(conv_shape) * conv_dtype.itemsize
+        + math.prod(recurrent_shape) * recurrent_dtype.itemsize
+    )
+
+
+def kda_state_bytes_for(vllm_config: VllmConfig) -> int:
+    """:func:`kda_state_bytes` for the target model of ``vllm_config``, with
+    the state dtypes the KDA layers allocate."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    linear_attn_config = model_config.hf_text_config.linear_attn_config
+    conv_dtype, recurrent_dtype = MambaStateDtypeCalculator.kda_state_dtype(
+        model_config.dtype,
+        cache_config.mamba_cache_dtype,
+        cache_config.mamba_ssm_cache_dtype,
+    )
+    spec_config = vllm_config.speculative_config
+    return kda_state_bytes(
+        linear_attn_config["num_heads"],
+        linear_attn_config["head_dim"],
+        linear_attn_config["short_conv_kernel_size"],
+        vllm_config.parallel_config.tensor_parallel_size,
+        spec_config.num_speculative_tokens if spec_config else 0,
+        conv_dtype,
+        recurrent_dtype,
+    )
+
+
+def packed_dsa_alignment(
+    kernel_block_sizes: list[int], checkpoint_alignment: int | None = None
+) -> int:
+    """Token alignment of the packed block: every backend's smallest kernel
+    block, 128 (0.33.0 keeps MLA manager blocks a multiple of 128 so split
+    kernel blocks stay aligned for its decode kernels), and the KDA prefill
+    checkpoint alignment in ``mamba_cache_mode='align'``."""
+    return math.lcm(128, *kernel_block_sizes, checkpoint_alignment or 1)
+
+
+def target_mla_bytes_per_token(vllm_config: VllmConfig) -> int:
+    """One DSA layer's MLA page per token (656 for ``fp8_ds_mla``)."""
+    text_config = vllm_config.model_config.hf_text_config
+    return mla_page_bytes_per_token(
+        vllm_config.cache_config.cache_dtype,
+        text_config.kv_lora_rank,
+        text_config.qk_rope_head_dim or 0,
+        vllm_config.model_config,
+    )
+
+
+def apply_packed_dsa_block_size(
+    vllm_config: VllmConfig,
+    kernel_block_sizes: list[int],
+    checkpoint_alignment: int | None = None,
+) -> int | None:
+    """Set ``cache_config.block_size`` of a KDA-hybrid DSA model from
+    :func:`packed_dsa_block_size`; None (and nothing changed) for any other
+    model.
+
+    The KDA states are not padded to a block: in the packed layout a block
+    row holds :func:`states_per_row` of them at their own size, so
+    ``mamba_page_size_padded`` stays unset.
+    """
+    if not is_kda_hybrid_dsa(vllm_config):
+        return None
+    check_packed_dsa_layout(vllm_config)
+    cache_config = vllm_config.cache_config
+    block_size = packed_dsa_block_size(
+        vllm_config,
+        target_mla_bytes_per_token(vllm_config),
+        kda_state_bytes_for(vllm_config),
+        packed_dsa_alignment(kernel_block_sizes, checkpoint_alignment),
+    )
+    assert block_size is not None
+    if cache_config.user_specified_block_size and cache_config.block_size != (
+        block_size
+    ):
+        logger.warning(
+            "Kimi-K3.1 DSA: --block-size %d replaced by %d, the packed DSA row "
+            "size (one row holds its KDA states).",
+            cache_config.block_size,
+            block_size,
+        )
+    cache_config.block_size = block_size
+    cache_config.mamba_page_size_padded = None
+    if cache_config.mamba_cache_mode == "align":
+        cache_config.mamba_block_size = block_size
+    logger.info("Kimi-K3.1 DSA: packed KV cache block size %d tokens.", block_size)
+    return block_size
+
+
+def split_packed_rows_into_kernel_pages(
+    kv_cache: torch.Tensor, kernel_rows: int
+) -> tuple[torch.Tensor, int]:
+    """View one cache of a packed block-outermost KV cache, in manager blocks
+    ``[num_blocks, 1, block_size, C]``, as ``kernel_rows``-token kernel pages.
+
+    Returns the view and the kernel block stride: kernel page j of manager
+    block b is page ``b * stride + j`` (the view spans the other layers' pages
+    between two blocks and never addresses them). Raises ValueError when the
+    cache cannot be split (more than one head slot, or a block stride that is
+    not a whole number of kernel pages).
+    """
+    page_stride = kernel_rows * kv_cache.stride(-2)
+    if (
+        kv_cache.dim() < 3
+        or kv_cache.shape[1] != 1
+        or kv_cache.shape[-2] % kernel_rows
+        or kv_cache.stride(0) % page_stride
+    ):
+        raise ValueError(
+            f"Kimi-K3.1 DSA cache of shape {tuple(kv_cache.shape)} and strides "
+            f"{kv_cache.stride()} cannot be split into {kernel_rows}-token "
+            "kernel pages."
+        )
+    stride = kv_cache.stride(0) // page_stride
+    num_pages = (kv_cache.shape[0] - 1) * stride + kv_cache.shape[-2] // kernel_rows
+    view = kv_cache.as_strided(
+        (num_pages, *kv_cache.shape[1:-2], kernel_rows, kv_cache.shape[-1]),
+        (page_stride, *kv_cache.stride()[1:]),
+    )
+    return view, stride
+
+
 class KimiK3IndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
     """Writes the indexer keys at slots derived from the block table, as the
     compressed indexers are written: in a packed block row the block table
@@ -365,7 +520,17 @@ class KimiK3IndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
 
 
 class KimiK3IndexerBackend(DeepseekV32IndexerBackend):
-    """0.33.0's DSA indexer backend with the Kimi K3.1 builder."""
+    """0.33.0's DSA indexer backend with the Kimi K3.1 builder.
+
+    It asks for a block-outermost layout, as DeepSeek-V4's indexer does: the
+    indexer pages sit beside the MLA latent pages inside each block row (and
+    the KDA states beside them in their groups), which is the row
+    :func:`packed_dsa_block_size` sizes.
+    """
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.BLHNC, KVCacheLayout.BLNHC)
 
     @staticmethod
     def get_builder_cls() -> type[KimiK3IndexerMetadataBuilder]:  # type: ignore[override]
