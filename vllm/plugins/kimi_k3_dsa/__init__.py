@@ -9,14 +9,30 @@ says which upstream function or file it stands for, why, and the in-tree edit
 it replaces. The seams only wire; the logic lives in the model, cache and
 config layers (``vllm.models.kimi_k3.{common,nvidia}``).
 
-===================  =========================================================
-Patch module         Upstream target (vLLM 0.33.0) -> the in-tree edit
-===================  =========================================================
-``hf_config``        ``transformers_utils/config.py`` ``_CONFIG_REGISTRY``
-                     -> a ``dsa_config`` field on ``KimiLinearConfig``
-``config_verifier``  ``model_executor/models/config.py`` ``MODELS_CONFIG_MAP``
-                     -> DSA rules and ``fp8_ds_mla`` in the Kimi K3 verifier
-===================  =========================================================
+=======================  =====================================================
+Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
+=======================  =====================================================
+``hf_config``            ``transformers_utils/config.py`` ``_CONFIG_REGISTRY``
+                         -> a ``dsa_config`` field on ``KimiLinearConfig``
+``config_verifier``      ``model_executor/models/config.py``
+                         ``MODELS_CONFIG_MAP`` -> DSA rules and ``fp8_ds_mla``
+                         in the Kimi K3 verifier
+``packed_layout_check``  ``model_executor/models/config.py``
+                         ``HybridAttentionMambaModelConfig.verify_and_update_
+                         config`` -> refuse PCP with packed DSA caches at
+                         startup
+``block_size``           ``platforms/interface.py``
+                         ``Platform._align_hybrid_block_size`` -> for a
+                         KDA-hybrid DSA model the block is
+                         ``packed_dsa_block_size`` (MLA 656 B + indexer +
+                         draft pages per token; a row holds its KDA states;
+                         TP-divisible)
+``kernel_block_split``   ``v1/worker/utils.py``
+                         ``AttentionGroup.map_kv_cache_to_kernel_blocks`` ->
+                         split the packed row into 64-token kernel pages for
+                         the Kimi K3.1 indexer cache (slots from the block
+                         table)
+=======================  =====================================================
 
 The patches target 0.33.0's internals, so :func:`register` refuses any other
 vLLM: a silently half-applied series would serve a wrong model.
@@ -34,6 +50,9 @@ REQUIRED_VLLM_VERSION = "0.33.0"
 PATCH_MODULES: tuple[str, ...] = (
     "hf_config",
     "config_verifier",
+    "packed_layout_check",
+    "block_size",
+    "kernel_block_split",
 )
 
 _registered = False

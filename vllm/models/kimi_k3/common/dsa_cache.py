@@ -382,6 +382,18 @@ def packed_dsa_alignment(
     return math.lcm(128, *kernel_block_sizes, checkpoint_alignment or 1)
 
 
+def backend_kernel_block_alignments(backends: list[Any]) -> list[int]:
+    """The smallest kernel block of each attention backend (a ``MultipleOf``
+    counts as its base), as 0.33.0's hybrid alignment reads them."""
+    from vllm.v1.attention.backend import MultipleOf
+
+    return [
+        min(s.base if isinstance(s, MultipleOf) else s for s in sizes)
+        for backend in backends
+        if (sizes := backend.get_supported_kernel_block_sizes())
+    ]
+
+
 def target_mla_bytes_per_token(vllm_config: VllmConfig) -> int:
     """One DSA layer's MLA page per token (656 for ``fp8_ds_mla``)."""
     text_config = vllm_config.model_config.hf_text_config
