@@ -1,0 +1,241 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""RoPE on the leading dims of the DSA indexer query and key (Triton + torch).
+
+Kimi K3.1 checkpoints with ``index_rope_dim > 0`` rotate only the leading
+``rope_dim`` dims of every indexer head and of the shared indexer key, with
+the leading ``rope_dim // 2`` frequencies of the main attention's rotary
+table (training reuses the leading frequencies of the main ``freqs_cis``).
+No vLLM rotary op slices a larger cache that way, hence this op.
+
+Semantics (``cos_sin_cache [max_pos, rot_dim]`` holds ``cos | sin`` halves,
+as vLLM's ``RotaryEmbedding.cos_sin_cache``; ``half = rope_dim // 2``)::
+
+    cos = cache[pos, :half]
+    sin = cache[pos, rot_dim // 2 : rot_dim // 2 + half]
+    neox (interleave=False): x1 = x[:half],     x2 = x[half:rope_dim]
+    GPT-J (interleave=True): x1 = x[0:rope_dim:2], x2 = x[1:rope_dim:2]
+    x1' = x1 * cos - x2 * sin;  x2' = x2 * cos + x1 * sin
+
+in fp32 (separately rounded products, no fused multiply-add), cast back to
+the input dtype, written in place; dims ``rope_dim ..`` are untouched.
+"""
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - triton ships with CUDA torch
+    HAS_TRITON = False
+
+
+def _check_inputs(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rope_dim: int,
+) -> None:
+    if index_q.dim() != 3:
+        raise ValueError(f"index_rope: index_q must be [T, H, D], got {index_q.shape}")
+    num_tokens, _, head_dim = index_q.shape
+    if index_k.dim() != 2 or tuple(index_k.shape) != (num_tokens, head_dim):
+        raise ValueError(
+            f"index_rope: index_k must be [T, D] = [{num_tokens}, {head_dim}], "
+            f"got {tuple(index_k.shape)}"
+        )
+    if positions.dim() != 1 or positions.shape[0] != num_tokens:
+        raise ValueError(
+            f"index_rope: positions must be [T] = [{num_tokens}], "
+            f"got {tuple(positions.shape)}"
+        )
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"index_rope: positions must be int32/int64, got {positions.dtype}"
+        )
+    for name, t in (("index_q", index_q), ("index_k", index_k)):
+        if not t.is_floating_point():
+            raise TypeError(f"index_rope: {name} must be floating point")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] % 2 != 0:
+        raise ValueError(
+            "index_rope: cos_sin_cache must be [max_pos, rot_dim] with even "
+            f"rot_dim, got {tuple(cos_sin_cache.shape)}"
+        )
+    if rope_dim < 0 or rope_dim % 2 != 0:
+        raise ValueError(f"index_rope: rope_dim must be even and >= 0, got {rope_dim}")
+    if rope_dim > head_dim:
+        raise ValueError(
+            f"index_rope: rope_dim ({rope_dim}) exceeds the head dim ({head_dim})"
+        )
+    if rope_dim > cos_sin_cache.shape[1]:
+        raise ValueError(
+            f"index_rope: rope_dim ({rope_dim}) needs {rope_dim // 2} frequencies; "
+            f"the cache has {cos_sin_cache.shape[1] // 2}"
+        )
+    devices = {index_q.device, index_k.device, positions.device, cos_sin_cache.device}
+    if len(devices) != 1:
+        raise ValueError(f"index_rope: inputs are on different devices: {devices}")
+
+
+def _rotate_(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rope_dim: int,
+    interleave: bool,
+) -> None:
+    half = rope_dim // 2
+    xr = x[..., :rope_dim].float()
+    if interleave:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if interleave:
+        out = torch.stack((o1, o2), dim=-1).flatten(-2)
+    else:
+        out = torch.cat((o1, o2), dim=-1)
+    x[..., :rope_dim] = out.to(x.dtype)
+
+
+def index_rope_ref(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rope_dim: int,
+    interleave: bool,
+) -> None:
+    """Reference of ``index_rope`` (any device, in place)."""
+    _check_inputs(index_q, index_k, positions, cos_sin_cache, rope_dim)
+    if rope_dim == 0 or index_q.shape[0] == 0:
+        return
+    half = rope_dim // 2
+    sin_start = cos_sin_cache.shape[1] // 2
+    rows = cos_sin_cache[positions.long()].float()
+    cos = rows[:, :half]
+    sin = rows[:, sin_start : sin_start + half]
+    _rotate_(index_q, cos[:, None, :], sin[:, None, :], rope_dim, interleave)
+    _rotate_(index_k, cos, sin, rope_dim, interleave)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _index_rope_kernel(
+        q_ptr,
+        q_s0,
+        q_s1,
+        q_s2,
+        k_ptr,
+        k_s0,
+        k_s1,
+        pos_ptr,
+        cache_ptr,
+        cache_s0,
+        cache_s1,
+        num_heads,
+        sin_start,
+        HALF: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        INTERLEAVE: tl.constexpr,
+    ):
+        tok = tl.program_id(0).to(tl.int64)
+        hb = tl.program_id(1)
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        i = tl.arange(0, BLOCK_HALF)
+        i_in = i < HALF
+        row = cache_ptr + pos * cache_s0
+        cos = tl.load(row + i * cache_s1, mask=i_in, other=0.0).to(tl.float32)
+        sin = tl.load(row + (sin_start + i) * cache_s1, mask=i_in, other=0.0).to(
+            tl.float32
+        )
+        if INTERLEAVE:
+            d1 = 2 * i
+            d2 = 2 * i + 1
+        else:
+            d1 = i
+            d2 = i + HALF
+
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = (heads < num_heads)[:, None] & i_in[None, :]
+        base = q_ptr + tok * q_s0 + heads[:, None] * q_s1
+        p1 = base + d1[None, :] * q_s2
+        p2 = base + d2[None, :] * q_s2
+        x1 = tl.load(p1, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(p2, mask=m, other=0.0).to(tl.float32)
+        o1 = x1 * cos[None, :] - x2 * sin[None, :]
+        o2 = x2 * cos[None, :] + x1 * sin[None, :]
+        tl.store(p1, o1.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(p2, o2.to(q_ptr.dtype.element_ty), mask=m)
+
+        if hb == 0:
+            kp1 = k_ptr + tok * k_s0 + d1 * k_s1
+            kp2 = k_ptr + tok * k_s0 + d2 * k_s1
+            k1 = tl.load(kp1, mask=i_in, other=0.0).to(tl.float32)
+            k2 = tl.load(kp2, mask=i_in, other=0.0).to(tl.float32)
+            tl.store(kp1, (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty), mask=i_in)
+            tl.store(kp2, (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty), mask=i_in)
+
+
+_MAX_BLOCK_H = 16
+
+
+def index_rope(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rope_dim: int,
+    interleave: bool,
+) -> None:
+    """RoPE on the leading ``rope_dim`` dims of every indexer head
+    (``index_q [T, H, D]``) and of the key (``index_k [T, D]``), in place,
+    with the leading ``rope_dim // 2`` frequencies of ``cos_sin_cache``
+    (semantics in the module docstring). Views with any strides are written
+    through. CPU tensors run the reference."""
+    _check_inputs(index_q, index_k, positions, cos_sin_cache, rope_dim)
+    num_tokens, num_heads, _ = index_q.shape
+    if rope_dim == 0 or num_tokens == 0:
+        return
+    if not index_q.is_cuda or not HAS_TRITON:
+        index_rope_ref(index_q, index_k, positions, cos_sin_cache, rope_dim, interleave)
+        return
+    _index_rope_triton(index_q, index_k, positions, cos_sin_cache, rope_dim, interleave)
+
+
+def _index_rope_triton(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rope_dim: int,
+    interleave: bool,
+) -> None:
+    num_tokens, num_heads, _ = index_q.shape
+    half = rope_dim // 2
+    block_h = min(_MAX_BLOCK_H, triton.next_power_of_2(max(num_heads, 1)))
+    grid = (num_tokens, max(triton.cdiv(num_heads, block_h), 1))
+    _index_rope_kernel[grid](
+        index_q,
+        *index_q.stride(),
+        index_k,
+        *index_k.stride(),
+        positions,
+        cos_sin_cache,
+        *cos_sin_cache.stride(),
+        num_heads,
+        cos_sin_cache.shape[1] // 2,
+        HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_H=block_h,
+        INTERLEAVE=interleave,
+        num_warps=4,
+        # Separate roundings of the two products, as the reference.
+        enable_fp_fusion=False,
+    )

@@ -1,0 +1,422 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Indexer query quantization for the DSA lightning indexer (Triton + torch).
+
+The indexer scores ``sum_h relu(q_h . k) * w_h`` with DeepGEMM's MQA logits,
+which takes exactly 32 or 64 heads, an fp8 query whose per-(token, head)
+scale is folded into fp32 weights (``q_scale`` None), or an MXFP4 query with
+its UE8M0 block scales beside it and weights without any query scale. These
+ops produce both forms from the bf16 GEMM outputs in one launch each, heads
+zero-padded, so no ``cat``/``pad``/scale-multiply chain runs between the
+query GEMM and the indexer op.
+
+Byte layouts (``T`` tokens, ``H`` real heads, ``Hp`` padded heads, ``D``
+head dim):
+
+``indexer_q_quant_fold_weights`` returns
+  - ``q_fp8`` float8_e4m3fn ``[T, Hp, D]`` contiguous: ``x / 2**e`` rounded
+    to nearest even, saturated at +-448, where per (token, head)
+    ``e = ceil(log2(max(amax, 1e-4) / 448))`` (an exact power of two, the
+    indexer-key convention of ``formats.fp8_pow2_scale_exponent``);
+  - ``weights`` fp32 ``[T, Hp]``: ``(w * 2**e) * weight_scale`` (fp32, the
+    first product exact); the caller's ``weight_scale`` is
+    ``softmax_scale * head_scale``.
+
+``mxfp4_q_quant`` returns
+  - ``q_packed`` uint8 ``[T, Hp, D / 2]``: e2m1 nibbles, byte ``i`` holds
+    element ``2i`` in its low nibble and ``2i + 1`` in its high nibble;
+  - ``q_scale`` int32 ``[T, Hp]`` (``D == 128``): four UE8M0 bytes,
+    little-endian, byte ``b`` the biased exponent of values ``32b .. 32b+31``
+    (``e = ceil(log2(max(amax, 6 * 2^-126) * (1/6)))``, clamped to +-127);
+  - ``weights`` fp32 ``[T, Hp]``: ``w * weight_scale``, no query scale.
+
+Padded heads ``H .. Hp - 1`` are the quantization of an all-zero head with a
+zero weight: zero codes and zero weights (their scales are those of a zero
+row and never matter, since the weight is zero).
+"""
+
+import torch
+
+from vllm.models.kimi_k3.nvidia.ops.formats import (
+    E2M1_MAX,
+    FP8_AMAX_FLOOR,
+    FP8_E4M3_MAX,
+    MXFP4_AMAX_FLOOR,
+    MXFP4_BLOCK_SIZE,
+    exp2_int,
+    fp8_quantize_rows,
+    mxfp4_quantize_rows,
+)
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - triton ships with CUDA torch
+    HAS_TRITON = False
+
+# DeepGEMM's MQA logits kernels are compiled for these head counts only.
+SUPPORTED_PADDED_HEADS = (32, 64)
+# Head dim of the MXFP4 query: one int32 holds exactly four block scales.
+MXFP4_HEAD_DIM = 4 * MXFP4_BLOCK_SIZE
+
+
+def _check_inputs(
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    padded_heads: int,
+    op: str,
+) -> None:
+    if index_q.dim() != 3:
+        raise ValueError(f"{op}: index_q must be [T, H, D], got {index_q.shape}")
+    num_tokens, num_heads, head_dim = index_q.shape
+    if index_q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{op}: index_q must be bf16/fp16/fp32, got {index_q.dtype}")
+    if index_weights.dim() != 2 or tuple(index_weights.shape) != (
+        num_tokens,
+        num_heads,
+    ):
+        raise ValueError(
+            f"{op}: index_weights must be [T, H] = [{num_tokens}, {num_heads}], "
+            f"got {tuple(index_weights.shape)}"
+        )
+    if not index_weights.is_floating_point():
+        raise TypeError(f"{op}: index_weights must be floating point")
+    if index_weights.device != index_q.device:
+        raise ValueError(f"{op}: index_q and index_weights are on different devices")
+    if padded_heads not in SUPPORTED_PADDED_HEADS:
+        raise ValueError(
+            f"{op}: padded_heads must be one of {SUPPORTED_PADDED_HEADS} "
+            f"(DeepGEMM MQA logits), got {padded_heads}"
+        )
+    if num_heads > padded_heads:
+        raise ValueError(f"{op}: {num_heads} heads do not fit in {padded_heads}")
+    if head_dim == 0 or head_dim % MXFP4_BLOCK_SIZE != 0:
+        raise ValueError(f"{op}: head dim must be a multiple of 32, got {head_dim}")
+
+
+def _pad_heads(x: torch.Tensor, padded_heads: int) -> torch.Tensor:
+    pad = padded_heads - x.shape[1]
+    if pad == 0:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
+
+
+# ---------------------------------------------------------------------------
+# Pure-torch references (the semantics, byte for byte).
+# ---------------------------------------------------------------------------
+
+
+def indexer_q_quant_fold_weights_ref(
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    weight_scale: float,
+    padded_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``indexer_q_quant_fold_weights`` (any device)."""
+    _check_inputs(index_q, index_weights, padded_heads, "indexer_q_quant")
+    q = _pad_heads(index_q.float(), padded_heads)
+    w = _pad_heads(index_weights.float(), padded_heads)
+    codes, e = fp8_quantize_rows(q, q.shape[-1])
+    ws = torch.tensor(weight_scale, dtype=torch.float32, device=q.device)
+    weights = (w * exp2_int(e.squeeze(-1))) * ws
+    return codes.view(torch.float8_e4m3fn), weights
+
+
+def mxfp4_q_quant_ref(
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    weight_scale: float,
+    padded_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of ``mxfp4_q_quant`` (any device)."""
+    _check_inputs(index_q, index_weights, padded_heads, "mxfp4_q_quant")
+    if index_q.shape[-1] != MXFP4_HEAD_DIM:
+        raise ValueError(
+            f"mxfp4_q_quant: head dim must be {MXFP4_HEAD_DIM}, got {index_q.shape[-1]}"
+        )
+    q = _pad_heads(index_q.float(), padded_heads)
+    w = _pad_heads(index_weights.float(), padded_heads)
+    packed, ue8m0 = mxfp4_quantize_rows(q)
+    q_scale = ue8m0.contiguous().view(torch.int32).squeeze(-1)
+    ws = torch.tensor(weight_scale, dtype=torch.float32, device=q.device)
+    return packed, q_scale, w * ws
+
+
+# ---------------------------------------------------------------------------
+# Triton kernels.
+# ---------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _ceil_log2_fp32(x):
+        """Exact ceil(log2(x)) of positive normal fp32 values (int32), from
+        the exponent bits: lg2.approx can miss a power-of-two boundary."""
+        bits = x.to(tl.int32, bitcast=True)
+        exp_field = (bits >> 23) & 0xFF
+        frac = bits & 0x7FFFFF
+        return exp_field - 127 + (frac != 0).to(tl.int32)
+
+    @triton.jit
+    def _exp2_int(e):
+        """Exact fp32 2**e of int32 exponents in [-126, 127]."""
+        e = tl.minimum(tl.maximum(e, -126), 127)
+        return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _q_fp8_fold_weights_kernel(
+        q_ptr,
+        q_s0,
+        q_s1,
+        q_s2,
+        w_ptr,
+        w_s0,
+        w_s1,
+        q_out_ptr,
+        w_out_ptr,
+        weight_scale,
+        num_heads,
+        PADDED_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        AMAX_FLOOR: tl.constexpr,
+        FP8_MAX: tl.constexpr,
+    ):
+        tok = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        h_in = heads < num_heads
+        d_in = dims < HEAD_DIM
+        x = tl.load(
+            q_ptr + tok * q_s0 + heads[:, None] * q_s1 + dims[None, :] * q_s2,
+            mask=h_in[:, None] & d_in[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        w = tl.load(w_ptr + tok * w_s0 + heads * w_s1, mask=h_in, other=0.0)
+
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
+        e = _ceil_log2_fp32(tl.math.div_rn(amax, FP8_MAX))
+        codes = tl.clamp(x * _exp2_int(-e)[:, None], -FP8_MAX, FP8_MAX)
+
+        h_out = heads < PADDED_HEADS
+        out_off = tok * (PADDED_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM
+        tl.store(
+            q_out_ptr + out_off + dims[None, :],
+            codes.to(q_out_ptr.dtype.element_ty),
+            mask=h_out[:, None] & d_in[None, :],
+        )
+        w_out = (w.to(tl.float32) * _exp2_int(e)) * weight_scale
+        tl.store(w_out_ptr + tok * PADDED_HEADS + heads, w_out, mask=h_out)
+
+    @triton.jit
+    def _e2m1_nibble(y):
+        """e2m1 code of fp32 ``y`` (round to nearest even, saturating at 6;
+        bit 3 = sign bit of ``y``), as ``formats.e2m1_encode``."""
+        a = tl.abs(y)
+        mag = (
+            (a > 0.25).to(tl.int32)
+            + (a >= 0.75).to(tl.int32)
+            + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32)
+            + (a > 2.5).to(tl.int32)
+            + (a >= 3.5).to(tl.int32)
+            + (a > 5.0).to(tl.int32)
+        )
+        sign = ((y.to(tl.int32, bitcast=True) >> 31) & 1) << 3
+        return mag | sign
+
+    @triton.jit
+    def _q_mxfp4_kernel(
+        q_ptr,
+        q_s0,
+        q_s1,
+        q_s2,
+        w_ptr,
+        w_s0,
+        w_s1,
+        q_out_ptr,
+        scale_out_ptr,
+        w_out_ptr,
+        weight_scale,
+        num_heads,
+        PADDED_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        MX_BLOCK: tl.constexpr,
+        AMAX_FLOOR: tl.constexpr,
+        INV_E2M1_MAX: tl.constexpr,
+    ):
+        NUM_BLOCKS: tl.constexpr = HEAD_DIM // MX_BLOCK
+        HALF: tl.constexpr = MX_BLOCK // 2
+        tok = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, HEAD_DIM)
+        h_in = heads < num_heads
+        x = tl.load(
+            q_ptr + tok * q_s0 + heads[:, None] * q_s1 + dims[None, :] * q_s2,
+            mask=h_in[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        w = tl.load(w_ptr + tok * w_s0 + heads * w_s1, mask=h_in, other=0.0)
+
+        # [BLOCK_H, NUM_BLOCKS, HALF] even (lo) and odd (hi) elements.
+        lo, hi = tl.split(tl.reshape(x, (BLOCK_H, NUM_BLOCKS, HALF, 2)))
+        amax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
+        amax = tl.maximum(amax, AMAX_FLOOR)
+        e = _ceil_log2_fp32(amax * INV_E2M1_MAX)
+        e = tl.minimum(tl.maximum(e, -127), 127)
+        inv = _exp2_int(-e)[:, :, None]
+        packed = _e2m1_nibble(lo * inv) | (_e2m1_nibble(hi * inv) << 4)
+
+        h_out = heads < PADDED_HEADS
+        blocks = tl.arange(0, NUM_BLOCKS)
+        pairs = tl.arange(0, HALF)
+        q_off = (
+            tok * (PADDED_HEADS * HEAD_DIM // 2)
+            + heads[:, None, None] * (HEAD_DIM // 2)
+            + blocks[None, :, None] * HALF
+            + pairs[None, None, :]
+        )
+        tl.store(q_out_ptr + q_off, packed.to(tl.uint8), mask=h_out[:, None, None])
+        s_off = (
+            tok * (PADDED_HEADS * NUM_BLOCKS)
+            + heads[:, None] * NUM_BLOCKS
+            + blocks[None, :]
+        )
+        tl.store(scale_out_ptr + s_off, (e + 127).to(tl.uint8), mask=h_out[:, None])
+        tl.store(
+            w_out_ptr + tok * PADDED_HEADS + heads,
+            w.to(tl.float32) * weight_scale,
+            mask=h_out,
+        )
+
+
+_BLOCK_H = 8
+_NUM_WARPS = 4
+
+
+def indexer_q_quant_fold_weights(
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    weight_scale: float,
+    padded_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 indexer query with its power-of-two scale folded into fp32 weights.
+
+    ``index_q [T, H, D]`` and ``index_weights [T, H]`` may be strided views
+    of GEMM outputs. Returns ``(q_fp8 [T, padded_heads, D], weights fp32
+    [T, padded_heads])`` as described in the module docstring; the pair is
+    what ``sparse_attn_indexer`` takes with ``q_scale=None``. CPU tensors run
+    the reference.
+    """
+    _check_inputs(index_q, index_weights, padded_heads, "indexer_q_quant")
+    if not index_q.is_cuda or not HAS_TRITON:
+        return indexer_q_quant_fold_weights_ref(
+            index_q, index_weights, weight_scale, padded_heads
+        )
+    return _indexer_q_quant_fold_weights_triton(
+        index_q, index_weights, weight_scale, padded_heads
+    )
+
+
+def _indexer_q_quant_fold_weights_triton(
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    weight_scale: float,
+    padded_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_heads, head_dim = index_q.shape
+    q_fp8 = torch.empty(
+        (num_tokens, padded_heads, head_dim),
+        dtype=torch.float8_e4m3fn,
+        device=index_q.device,
+    )
+    weights = torch.empty(
+        (num_tokens, padded_heads), dtype=torch.float32, device=index_q.device
+    )
+    if num_tokens == 0:
+        return q_fp8, weights
+    grid = (num_tokens, padded_heads // _BLOCK_H)
+    _q_fp8_fold_weights_kernel[grid](
+        index_q,
+        *index_q.stride(),
+        index_weights,
+        *index_weights.stride(),
+        q_fp8,
+        weights,
+        float(weight_scale),
+        num_heads,
+        PADDED_HEADS=padded_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=_BLOCK_H,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        AMAX_FLOOR=FP8_AMAX_FLOOR,
+        FP8_MAX=FP8_E4M3_MAX,
+        num_warps=_NUM_WARPS,
+    )
+    return q_fp8, weights
+
+
+def mxfp4_q_quant(
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    weight_scale: float,
+    padded_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP4 indexer query for DeepGEMM's fp8_fp4 MQA logits (SM100 readers).
+
+    Returns ``(q_packed uint8 [T, Hp, 64], q_scale int32 [T, Hp], weights
+    fp32 [T, Hp])`` for ``D == 128`` as described in the module docstring:
+    the ``(q_quant, q_scale, weights)`` that ``sparse_attn_indexer`` takes
+    with ``use_fp4_cache=True``. CPU tensors run the reference.
+    """
+    _check_inputs(index_q, index_weights, padded_heads, "mxfp4_q_quant")
+    if index_q.shape[-1] != MXFP4_HEAD_DIM:
+        raise ValueError(
+            f"mxfp4_q_quant: head dim must be {MXFP4_HEAD_DIM}, got {index_q.shape[-1]}"
+        )
+    if not index_q.is_cuda or not HAS_TRITON:
+        return mxfp4_q_quant_ref(index_q, index_weights, weight_scale, padded_heads)
+    return _mxfp4_q_quant_triton(index_q, index_weights, weight_scale, padded_heads)
+
+
+def _mxfp4_q_quant_triton(
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    weight_scale: float,
+    padded_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_tokens, num_heads, head_dim = index_q.shape
+    device = index_q.device
+    q_packed = torch.empty(
+        (num_tokens, padded_heads, head_dim // 2), dtype=torch.uint8, device=device
+    )
+    q_scale = torch.empty((num_tokens, padded_heads), dtype=torch.int32, device=device)
+    weights = torch.empty(
+        (num_tokens, padded_heads), dtype=torch.float32, device=device
+    )
+    if num_tokens == 0:
+        return q_packed, q_scale, weights
+    grid = (num_tokens, padded_heads // _BLOCK_H)
+    _q_mxfp4_kernel[grid](
+        index_q,
+        *index_q.stride(),
+        index_weights,
+        *index_weights.stride(),
+        q_packed,
+        q_scale.view(torch.uint8),
+        weights,
+        float(weight_scale),
+        num_heads,
+        PADDED_HEADS=padded_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=_BLOCK_H,
+        MX_BLOCK=MXFP4_BLOCK_SIZE,
+        AMAX_FLOOR=MXFP4_AMAX_FLOOR,
+        INV_E2M1_MAX=1.0 / E2M1_MAX,
+        num_warps=_NUM_WARPS,
+    )
+    return q_packed, q_scale, weights
