@@ -32,6 +32,20 @@ Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
                          split the packed row into 64-token kernel pages for
                          the Kimi K3.1 indexer cache (slots from the block
                          table)
+``dsa_layers``           ``models/kimi_k3/nvidia/model.py``
+                         ``KimiDecoderLayer`` full-attention branch,
+                         ``KimiLinearModel.__init__``; ``mtp.py``
+                         ``KimiK3MultiTokenPredictor.__init__`` -> build
+                         ``KimiK3DSAAttention`` when ``dsa_config``; one
+                         model-level top-k buffer + index-group builder
+``dsa_weights``          ``model.py`` ``KimiLinearModel.load_weights``;
+                         ``mtp.py`` ``KimiK3MTP.load_weights`` -> indexer
+                         renames/stacking, ``fused_qkv_a_proj`` for DSA
+                         layers, missing/unexpected indexer tensors refused
+``dsa_post_load``        ``model.py`` ``KimiLinearForCausalLM``,
+                         ``KimiK3ForConditionalGeneration``; ``mtp.py``
+                         ``KimiK3MTP`` -> a ``process_weights_after_loading``
+                         that calls ``pack_projections()`` on DSA layers
 =======================  =====================================================
 
 The patches target 0.33.0's internals, so :func:`register` refuses any other
@@ -53,6 +67,9 @@ PATCH_MODULES: tuple[str, ...] = (
     "packed_layout_check",
     "block_size",
     "kernel_block_split",
+    "dsa_layers",
+    "dsa_weights",
+    "dsa_post_load",
 )
 
 _registered = False

@@ -1,0 +1,530 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Kimi K3.1 DSA in Kimi K3's model: which layers are DSA, the model-level
+top-k buffer and index-group builder they share, how the checkpoint's indexer
+tensors load, and the post-load packing.
+
+In a fork this is a handful of edits of ``vllm/models/kimi_k3/nvidia/model.py``
+and ``mtp.py`` (``KimiDecoderLayer`` builds :class:`KimiK3DSAAttention` when the
+text config has ``dsa_config``; ``KimiLinearModel`` allocates one
+``topk_indices_buffer`` and one ``SparseMLAIndexGroupBuilder``; both
+``load_weights`` know the indexer names; the top-level classes gain a
+``process_weights_after_loading``). On the released 0.33.0 the seams in
+``vllm.plugins.kimi_k3_dsa`` (``dsa_layers``, ``dsa_weights``,
+``dsa_post_load``) call into this module, which holds all of the logic.
+
+Checkpoint naming (per DSA layer, checkpoint prefix ``...self_attn.``):
+
+==============================================  ===================================
+checkpoint tensor                               parameter (shard)
+==============================================  ===================================
+``indexer.wq_b.{weight,weight_scale_inv,..}``   ``dsa_indexer.wq_index.*``
+``indexer.wk.weight``                           ``dsa_indexer.wkv_index.weight`` (0)
+``indexer.weights_proj.weight``                 ``dsa_indexer.wkv_index.weight`` (1)
+``indexer.k_norm.{weight,bias}``                ``dsa_indexer.k_index_norm.*``
+``q_a_proj.*``                                  ``fused_qkv_a_proj.*`` (0)
+``kv_a_proj_with_mqa.*``                        ``fused_qkv_a_proj.*`` (1)
+``g_proj.*``                                    ``g_proj.*`` (its own linear)
+==============================================  ===================================
+
+0.33.0's loaders map ``q_a_proj``/``kv_a_proj_with_mqa``/``g_proj`` only into the
+dense layer's ``fused_qkv_a_g_proj`` when the output gate is on, which a DSA
+layer does not have, and know no indexer names at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from vllm.logger import init_logger
+from vllm.models.kimi_k3.common.dsa_config import is_dsa_model
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backends.mla.index_group import (
+        SparseMLAIndexGroupBuilder,
+    )
+
+logger = init_logger(__name__)
+
+# Checkpoint indexer sub-module -> (module in KimiK3DSAIndexer, shard id).
+INDEXER_CHECKPOINT_NAMES: dict[str, tuple[str, int | None]] = {
+    "wq_b": ("wq_index", None),
+    "wk": ("wkv_index", 0),
+    "weights_proj": ("wkv_index", 1),
+    "k_norm": ("k_index_norm", None),
+}
+# Checkpoint MLA input projections stacked into the DSA layer's
+# fused_qkv_a_proj (q-LoRA layers only; the output gate stays its own linear).
+FUSED_QKV_A_CHECKPOINT_NAMES: dict[str, int] = {
+    "q_a_proj": 0,
+    "kv_a_proj_with_mqa": 1,
+}
+CHECKPOINT_INDEXER = "indexer"
+MODULE_INDEXER = "dsa_indexer"
+
+WeightItem = tuple[str, torch.Tensor] | tuple[str, torch.Tensor, dict[str, Any]]
+
+
+# ---------------------------------------------------------------------------
+# Model-level shared state: one top-k buffer, one index-group builder
+# ---------------------------------------------------------------------------
+
+
+def topk_indices_buffer_rows(vllm_config: VllmConfig) -> int:
+    """Rows of the model-level top-k buffer.
+
+    ``max_num_batched_tokens`` plus, under decode context parallelism, the
+    ``W - 1`` rows of slack that allgather-k mode needs: prefill rows are padded
+    to ``ceil(P / W)`` per rank, so the gathered output takes at most ``W - 1``
+    rows more than the batch's tokens.
+    """
+    dcp_world_size = vllm_config.parallel_config.decode_context_parallel_size
+    slack = dcp_world_size - 1 if dcp_world_size > 1 else 0
+    return vllm_config.scheduler_config.max_num_batched_tokens + slack
+
+
+def make_topk_indices_buffer(
+    vllm_config: VllmConfig,
+    index_topk: int,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The model-level int32 ``[rows, index_topk]`` top-k buffer every DSA
+    layer's indexer writes and its sparse MLA reads."""
+    if device is None:
+        from vllm.platforms import current_platform
+
+        device = current_platform.device_type or "cpu"
+    return torch.empty(
+        (topk_indices_buffer_rows(vllm_config), index_topk),
+        dtype=torch.int32,
+        device=device,
+    )
+
+
+@dataclass
+class DSAModelState:
+    """What one model (the target, or the MTP draft) shares across its DSA
+    layers."""
+
+    topk_indices_buffer: torch.Tensor
+    index_group_builder: SparseMLAIndexGroupBuilder | None
+    layers: list[str] = field(default_factory=list)
+
+
+def make_dsa_model_state(vllm_config: VllmConfig) -> DSAModelState | None:
+    """The shared state for the model ``vllm_config`` describes, or None when
+    it is not a Kimi K3.1 DSA model."""
+    text_config = vllm_config.model_config.hf_text_config
+    if not is_dsa_model(text_config):
+        return None
+    from vllm.v1.attention.backends.mla.index_group import (
+        SparseMLAIndexGroupBuilder,
+        get_sparse_mla_index_group_max_rows,
+    )
+
+    buffer = make_topk_indices_buffer(vllm_config, text_config.dsa_config.index_topk)
+    # As DeepSeek V3.2 (models/deepseek_v32/nvidia/model.py): one builder on
+    # the model; every K3.1 DSA layer has its own indexer, so each layer is
+    # its own index-group leader, but the physical-topk workspace rows are
+    # capped by the decode rows instead of max_num_batched_tokens + 1.
+    builder = SparseMLAIndexGroupBuilder(
+        buffer, get_sparse_mla_index_group_max_rows(vllm_config)
+    )
+    return DSAModelState(topk_indices_buffer=buffer, index_group_builder=builder)
+
+
+_CURRENT_STATE: contextvars.ContextVar[DSAModelState | None] = contextvars.ContextVar(
+    "kimi_k3_dsa_model_state", default=None
+)
+
+
+def current_dsa_model_state() -> DSAModelState | None:
+    """The shared state of the model being built, if any."""
+    return _CURRENT_STATE.get()
+
+
+@contextlib.contextmanager
+def dsa_model_scope(vllm_config: VllmConfig) -> Iterator[DSAModelState | None]:
+    """While a model's ``__init__`` builds its layers, make its shared DSA
+    state visible to :func:`kimi_k3_attention_factory` (the model-level
+    buffer threaded to each layer, as ``DeepseekV32Model`` does through its
+    ``make_layers`` closure)."""
+    state = make_dsa_model_state(vllm_config)
+    token = _CURRENT_STATE.set(state)
+    try:
+        yield state
+    finally:
+        _CURRENT_STATE.reset(token)
+
+
+def attach_dsa_model_state(model: nn.Module, state: DSAModelState | None) -> None:
+    """Keep the shared buffer on the model, where vLLM's MTP proposer looks
+    for it (``target.model.topk_indices_buffer``, shared with the draft's
+    ``model.model``)."""
+    if state is None:
+        return
+    model.topk_indices_buffer = state.topk_indices_buffer
+    model.dsa_index_group_builder = state.index_group_builder
+
+
+# ---------------------------------------------------------------------------
+# Layer construction
+# ---------------------------------------------------------------------------
+
+
+def kimi_k3_attention_factory(
+    config: Any,
+    hidden_size: int,
+    num_heads: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+    q_lora_rank: int | None,
+    kv_lora_rank: int,
+    use_output_gate: bool = False,
+    cache_config: Any = None,
+    quant_config: Any = None,
+    prefix: str = "",
+    aux_stream: Any = None,
+    run_gemm_rs_ar: bool = False,
+    **kwargs: Any,
+) -> nn.Module:
+    """Stands for ``KimiDecoderLayer``'s full-attention branch: Kimi K3's dense
+    ``MultiHeadLatentAttention`` without ``dsa_config``, ``KimiK3DSAAttention``
+    with it (main model and MTP block alike, both build through
+    ``KimiDecoderLayer``)."""
+    from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
+
+    if not is_dsa_model(config):
+        return MultiHeadLatentAttention(
+            config=config,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            qk_nope_head_dim=qk_nope_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=v_head_dim,
+            q_lora_rank=q_lora_rank,
+            kv_lora_rank=kv_lora_rank,
+            use_output_gate=use_output_gate,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            prefix=prefix,
+            aux_stream=aux_stream,
+            run_gemm_rs_ar=run_gemm_rs_ar,
+            **kwargs,
+        )
+    from vllm.models.kimi_k3.nvidia.dsa import KimiK3DSAAttention
+
+    if kwargs:
+        raise TypeError(
+            f"Kimi K3.1 DSA layer {prefix}: unsupported MLA arguments {sorted(kwargs)}"
+        )
+    if bool(use_output_gate) != bool(config.mla_use_output_gate):
+        raise ValueError(
+            f"Kimi K3.1 DSA layer {prefix}: use_output_gate={use_output_gate} "
+            f"disagrees with mla_use_output_gate={config.mla_use_output_gate}"
+        )
+    # run_gemm_rs_ar: the DSA layer keeps the standard o_proj (the decoder
+    # layer turns its reduction off under sequence parallelism and
+    # reduce-scatters the full-length output itself).
+    state = current_dsa_model_state()
+    extra: dict[str, Any] = {}
+    if state is not None:
+        extra["topk_indices_buffer"] = state.topk_indices_buffer
+        extra["index_group_builder"] = state.index_group_builder
+        state.layers.append(prefix)
+    # Without a model scope (a host that builds KimiDecoderLayer directly) the
+    # layer allocates the seed's per-layer fallback buffer and warns.
+    return KimiK3DSAAttention(
+        config,
+        hidden_size,
+        num_heads,
+        qk_nope_head_dim,
+        qk_rope_head_dim,
+        v_head_dim,
+        q_lora_rank,
+        kv_lora_rank,
+        cache_config=cache_config,
+        quant_config=quant_config,
+        prefix=prefix,
+        aux_stream=aux_stream,
+        **extra,
+    )
+
+
+def is_dsa_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is a Kimi K3.1 DSA attention layer."""
+    try:
+        from vllm.models.kimi_k3.nvidia.dsa import KimiK3DSAAttention
+    except ImportError:  # pragma: no cover - the layer module is part of us
+        return False
+    return isinstance(module, KimiK3DSAAttention)
+
+
+def dsa_attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every DSA attention layer under ``model``, with its qualified name."""
+    return [(n, m) for n, m in model.named_modules() if is_dsa_attention(m)]
+
+
+# ---------------------------------------------------------------------------
+# Weight loading
+# ---------------------------------------------------------------------------
+
+
+class DSAWeightRouter:
+    """Loads the tensors 0.33.0's Kimi K3 loaders cannot place for DSA layers
+    and checks that every DSA layer's indexer is complete.
+
+    ``layers`` maps each DSA layer's checkpoint attention prefix (as names
+    reach the loader, e.g. ``layers.3.self_attn.``) to its parameter prefix
+    (e.g. ``layers.3.self_attn.`` in the target model,
+    ``model.layers.5.mtp_block.self_attn.`` in the MTP draft) and module.
+    """
+
+    def __init__(
+        self,
+        params_dict: dict[str, nn.Parameter],
+        layers: dict[str, tuple[str, nn.Module]],
+    ) -> None:
+        self.params_dict = params_dict
+        self.layers = layers
+        # checkpoint prefix -> expected checkpoint suffixes under "indexer."
+        self.expected: dict[str, set[str]] = {
+            ckpt: self._expected_indexer_tensors(attn)
+            for ckpt, (_, attn) in layers.items()
+        }
+        self.seen: dict[str, set[str]] = {ckpt: set() for ckpt in layers}
+        self.touched: set[str] = set()
+
+    @staticmethod
+    def _expected_indexer_tensors(attn: nn.Module) -> set[str]:
+        indexer = getattr(attn, MODULE_INDEXER)
+        expected: set[str] = set()
+        for ckpt_name, (module_name, _) in INDEXER_CHECKPOINT_NAMES.items():
+            module = getattr(indexer, module_name)
+            for param_name, _ in module.named_parameters():
+                expected.add(f"{ckpt_name}.{param_name}")
+        return expected
+
+    def _layer_of(self, name: str) -> str | None:
+        for ckpt in self.layers:
+            if name.startswith(ckpt):
+                return ckpt
+        return None
+
+    @staticmethod
+    def _layer_label(param_prefix: str) -> str:
+        return param_prefix.rstrip(".")
+
+    def route(self, name: str) -> tuple[str, int | None] | None:
+        """The parameter and shard id a checkpoint name loads into, or None
+        when 0.33.0's loader places it correctly itself. Raises for an
+        indexer tensor the layer does not have."""
+        ckpt = self._layer_of(name)
+        if ckpt is None:
+            return None
+        param_prefix, attn = self.layers[ckpt]
+        self.touched.add(ckpt)
+        rest = name[len(ckpt) :]
+        head, _, suffix = rest.partition(".")
+        if head == CHECKPOINT_INDEXER:
+            sub, _, param_suffix = suffix.partition(".")
+            mapping = INDEXER_CHECKPOINT_NAMES.get(sub)
+            target = (
+                None
+                if mapping is None
+                else f"{param_prefix}{MODULE_INDEXER}.{mapping[0]}.{param_suffix}"
+            )
+            if mapping is None or not param_suffix or target not in self.params_dict:
+                raise ValueError(
+                    f"Kimi K3.1 DSA layer '{self._layer_label(param_prefix)}': "
+                    f"unexpected indexer tensor '{name}' in the checkpoint; this "
+                    "layer's indexer takes "
+                    f"{sorted(ckpt + 'indexer.' + t for t in self.expected[ckpt])}"
+                )
+            self.seen[ckpt].add(suffix)
+            return target, mapping[1]
+        shard = FUSED_QKV_A_CHECKPOINT_NAMES.get(head)
+        if shard is not None and hasattr(attn, "fused_qkv_a_proj"):
+            target = f"{param_prefix}fused_qkv_a_proj.{suffix}"
+            if target in self.params_dict:
+                return target, shard
+        return None
+
+    def load(self, name: str, loaded_weight: torch.Tensor) -> str | None:
+        """Load ``name`` if it is ours; returns the parameter name, or None to
+        leave the tensor to 0.33.0's loader."""
+        from vllm.model_executor.model_loader.weight_utils import (
+            default_weight_loader,
+        )
+
+        routed = self.route(name)
+        if routed is None:
+            return None
+        target, shard = routed
+        param = self.params_dict[target]
+        weight_loader: Callable[..., Any] = getattr(
+            param, "weight_loader", default_weight_loader
+        )
+        if shard is None:
+            weight_loader(param, loaded_weight)
+        else:
+            weight_loader(param, loaded_weight, shard)
+        return target
+
+    def check_complete(self) -> None:
+        """Every DSA layer that received weights in this call received its
+        whole indexer (a partial reload of other layers is fine)."""
+        for ckpt in sorted(self.touched):
+            missing = self.expected[ckpt] - self.seen[ckpt]
+            if missing:
+                param_prefix, _ = self.layers[ckpt]
+                raise ValueError(
+                    f"Kimi K3.1 DSA layer '{self._layer_label(param_prefix)}': the "
+                    "checkpoint lacks indexer tensor(s) "
+                    f"{sorted(ckpt + 'indexer.' + t for t in missing)} (a Kimi K3 "
+                    "checkpoint without DSA weights cannot be served as Kimi K3.1)"
+                )
+
+
+def _weights_with_router(
+    weights: Iterable[WeightItem],
+    router: DSAWeightRouter,
+    loaded: set[str],
+    normalize: Callable[[str], str] = lambda name: name,
+    refuse_foreign_indexer: Callable[[str], None] | None = None,
+) -> Iterator[WeightItem]:
+    for item in weights:
+        name = normalize(item[0])
+        target = router.load(name, item[1])
+        if target is not None:
+            loaded.add(target)
+            continue
+        if refuse_foreign_indexer is not None:
+            refuse_foreign_indexer(name)
+        yield item
+
+
+def kimi_linear_model_dsa_layers(
+    model: nn.Module,
+) -> dict[str, tuple[str, nn.Module]]:
+    """DSA layers of a ``KimiLinearModel``: checkpoint and parameter prefixes
+    are both ``layers.{i}.self_attn.`` (``AutoWeightsLoader`` strips
+    ``model.``)."""
+    layers: dict[str, tuple[str, nn.Module]] = {}
+    for idx, layer in enumerate(getattr(model, "layers", [])):
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and is_dsa_attention(attn):
+            prefix = f"layers.{idx}.self_attn."
+            layers[prefix] = (prefix, attn)
+    return layers
+
+
+def load_kimi_linear_model_weights(
+    model: nn.Module,
+    weights: Iterable[WeightItem],
+    original: Callable[[nn.Module, Iterable[WeightItem]], set[str]],
+) -> set[str]:
+    """``KimiLinearModel.load_weights`` with the DSA names: our tensors are
+    loaded here, everything else goes through 0.33.0's loader unchanged."""
+    layers = kimi_linear_model_dsa_layers(model)
+    if not layers:
+        return original(model, weights)
+    router = DSAWeightRouter(dict(model.named_parameters()), layers)
+    dsa_layer_ids = {int(p.split(".")[1]) for p in layers}
+    num_layers = len(getattr(model, "layers", []))
+    start = getattr(model, "start_layer", 0)
+    end = getattr(model, "end_layer", num_layers)
+
+    def refuse_foreign_indexer(name: str) -> None:
+        # An indexer tensor on a layer that exists here and is not DSA (a KDA
+        # layer): 0.33.0 would fail with a bare KeyError.
+        if f".self_attn.{CHECKPOINT_INDEXER}." not in name:
+            return
+        parts = name.split(".")
+        if len(parts) < 2 or parts[0] != "layers" or not parts[1].isdigit():
+            return
+        idx = int(parts[1])
+        if idx in dsa_layer_ids or not start <= idx < min(end, num_layers):
+            return
+        raise ValueError(
+            f"Kimi K3.1: unexpected indexer tensor '{name}' in the checkpoint: "
+            f"layer {idx} is not a DSA layer (DSA layers: {sorted(dsa_layer_ids)})"
+        )
+
+    loaded: set[str] = set()
+    loaded |= original(
+        model,
+        _weights_with_router(
+            weights, router, loaded, refuse_foreign_indexer=refuse_foreign_indexer
+        ),
+    )
+    router.check_complete()
+    return loaded
+
+
+def kimi_k3_mtp_dsa_layers(mtp: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    """DSA blocks of a ``KimiK3MTP`` draft: checkpoint prefix
+    ``model.layers.{L}.self_attn.``, parameter prefix
+    ``model.layers.{L}.mtp_block.self_attn.``."""
+    layers: dict[str, tuple[str, nn.Module]] = {}
+    predictor = getattr(mtp, "model", None)
+    for key, layer in getattr(predictor, "layers", {}).items():
+        block = getattr(layer, "mtp_block", None)
+        attn = getattr(block, "self_attn", None)
+        if attn is not None and is_dsa_attention(attn):
+            layers[f"model.layers.{key}.self_attn."] = (
+                f"model.layers.{key}.mtp_block.self_attn.",
+                attn,
+            )
+    return layers
+
+
+def _strip_language_model(name: str) -> str:
+    # As KimiK3MTP.load_weights: the multimodal checkpoint prefixes text
+    # weights with ``language_model.``.
+    if name.startswith("language_model."):
+        return name[len("language_model.") :]
+    return name
+
+
+def load_kimi_k3_mtp_weights(
+    mtp: nn.Module,
+    weights: Iterable[WeightItem],
+    original: Callable[[nn.Module, Iterable[WeightItem]], set[str]],
+) -> set[str]:
+    """``KimiK3MTP.load_weights`` with the DSA names of the MTP block."""
+    layers = kimi_k3_mtp_dsa_layers(mtp)
+    if not layers:
+        return original(mtp, weights)
+    router = DSAWeightRouter(dict(mtp.named_parameters()), layers)
+    loaded: set[str] = set()
+    loaded |= original(
+        mtp,
+        _weights_with_router(weights, router, loaded, normalize=_strip_language_model),
+    )
+    router.check_complete()
+    return loaded
+
+
+# ---------------------------------------------------------------------------
+# Post-load
+# ---------------------------------------------------------------------------
+
+
+def pack_dsa_projections(model: nn.Module) -> int:
+    """Stands for the top-level ``process_weights_after_loading``: let every
+    DSA layer pack its projections for the fused forward. A layer may decline
+    (it then keeps the wrapper forward); a rerun after a weight reload is a
+    no-op per layer. Returns the number of DSA layers visited."""
+    layers = dsa_attention_layers(model)
+    for _, attn in layers:
+        attn.pack_projections()
+    return len(layers)
