@@ -1,0 +1,44 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fixtures of the DSA KV cache tests, run against the real vLLM 0.33.0.
+
+``vllm_config_for(**engine_kwargs)`` runs vLLM's real configuration path
+(``EngineArgs(...).create_engine_config()`` with ``VLLM_TARGET_DEVICE=cpu``,
+so the general plugin, the ``dsa_config`` parsing and the Kimi K3 verifier
+run) on the tiny Kimi K3.1 checkpoint config. Each distinct set of arguments
+is built once per session (the first build costs ~40 s).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def vllm_config_for(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        pytest.skip("vLLM 0.33.0 is not installed")
+    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import write_tiny_config
+
+    cache: dict[str, Any] = {}
+    root = tmp_path_factory.mktemp("kimi_k3_dsa_cache")
+
+    def make(dsa: bool = True, text_overrides: dict | None = None, **kwargs: Any):
+        key = json.dumps([dsa, text_overrides, kwargs], sort_keys=True, default=str)
+        if key not in cache:
+            ckpt: Path = write_tiny_config(
+                root / f"ckpt{len(cache)}", dsa=dsa, **(text_overrides or {})
+            )
+            kwargs.setdefault("enable_prefix_caching", False)
+            kwargs.setdefault("max_model_len", 1024)
+            kwargs.setdefault("skip_tokenizer_init", True)
+            cache[key] = EngineArgs(model=str(ckpt), **kwargs).create_engine_config()
+        return cache[key]
+
+    return make
