@@ -372,6 +372,22 @@ def _logits_inputs(q, w, k, use_fp4: bool):
     return q_pair, weights, kv
 
 
+def _dequantized(q_pair, kv, use_fp4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 values the reader sees: (q [M, H, D], k [N, D]); an fp8 query's
+    scale lives in the weights."""
+    if use_fp4:
+        m, h = q_pair[1].shape
+        q_sf = q_pair[1].contiguous().view(torch.uint8).view(m, h, 4)
+        q = mxfp4_dequantize_rows(q_pair[0].view(torch.uint8), q_sf)
+        n = kv[1].shape[0]
+        k_sf = kv[1].contiguous().view(torch.uint8).view(n, 4)
+        return q, mxfp4_dequantize_rows(kv[0].view(torch.uint8), k_sf)
+    k_scale = kv[1]
+    if k_scale.dtype == torch.int32:  # four equal UE8M0 bytes
+        k_scale = torch.exp2((k_scale & 0xFF).float() - 127)
+    return q_pair[0].float(), kv[0].float() * k_scale[:, None]
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("use_fp4", [False, True])
@@ -392,14 +408,25 @@ def test_gpu_deepgemm_mqa_logits_read_our_query(use_fp4: bool) -> None:
     max_len = int((ke - ks).max())
     logits = dg.fp8_fp4_mqa_logits(q_pair, kv, weights, ks, ke, max_len)
     ref = mqa_logits_ref(q.float(), k.float(), w.float(), WEIGHT_SCALE)
-    got, want = [], []
+    # What the reader must compute from the bytes it was given: proves it
+    # decodes our query, scales and weights exactly as we encoded them.
+    q_deq, k_deq = _dequantized(q_pair, kv, use_fp4)
+    ref_deq = mqa_logits_ref(q_deq, k_deq, weights.float(), 1.0)
+    got, want, want_deq = [], [], []
     for i in range(num_q):
         n = int(ke[i] - ks[i])
         got.append(logits[i, :n].float())
         want.append(ref[i, int(ks[i]) : int(ke[i])])
-    diff = calc_diff(torch.cat(got), torch.cat(want))
-    print(f"fp8_fp4_mqa_logits fp4={use_fp4} calc_diff={diff:.3e}")
+        want_deq.append(ref_deq[i, int(ks[i]) : int(ke[i])])
+    got = torch.cat(got)
+    diff = calc_diff(got, torch.cat(want))
+    diff_deq = calc_diff(got, torch.cat(want_deq))
+    print(
+        f"fp8_fp4_mqa_logits fp4={use_fp4} calc_diff={diff:.3e} "
+        f"vs dequantized={diff_deq:.3e}"
+    )
     assert diff < 1e-3
+    assert diff_deq < 1e-6
 
 
 @pytest.mark.gpu
@@ -450,12 +477,24 @@ def test_gpu_deepgemm_paged_mqa_logits_read_our_query() -> None:
         schedule,
         max_model_len,
     )
-    got, want = [], []
+    got, want, want_deq = [], [], []
     for b in range(batch):
         n = int(ctx[b])
         ref = mqa_logits_ref(q[b : b + 1], keys[b], w[b : b + 1], WEIGHT_SCALE)
+        codes, scale_bytes = indexer_fp8_entry(keys[b], mx_scales=mx)
+        k_sf = scale_bytes.view(torch.int32 if mx else torch.float32).squeeze(-1)
+        q_deq, k_deq = _dequantized(
+            (q_pair[0][b : b + 1], None), (codes.view(torch.float8_e4m3fn), k_sf), False
+        )
+        ref_deq = mqa_logits_ref(q_deq, k_deq, weights[b : b + 1].float(), 1.0)
         got.append(logits[b, :n].float())
         want.append(ref[0])
-    diff = calc_diff(torch.cat(got), torch.cat(want))
-    print(f"fp8_fp4_paged_mqa_logits calc_diff={diff:.3e}")
+        want_deq.append(ref_deq[0])
+    got = torch.cat(got)
+    diff = calc_diff(got, torch.cat(want))
+    diff_deq = calc_diff(got, torch.cat(want_deq))
+    print(
+        f"fp8_fp4_paged_mqa_logits calc_diff={diff:.3e} vs dequantized={diff_deq:.3e}"
+    )
     assert diff < 1e-3
+    assert diff_deq < 1e-6

@@ -119,8 +119,9 @@ def indexer_q_quant_fold_weights_ref(
     q = _pad_heads(index_q.float(), padded_heads)
     w = _pad_heads(index_weights.float(), padded_heads)
     codes, e = fp8_quantize_rows(q, q.shape[-1])
-    ws = torch.tensor(weight_scale, dtype=torch.float32, device=q.device)
-    weights = (w * exp2_int(e.squeeze(-1))) * ws
+    # A Python scalar multiplies an fp32 tensor as an fp32 value (as the
+    # kernel's fp32 argument), and keeps the reference CUDA-graph capturable.
+    weights = (w * exp2_int(e.squeeze(-1))) * float(weight_scale)
     return codes.view(torch.float8_e4m3fn), weights
 
 
@@ -140,8 +141,7 @@ def mxfp4_q_quant_ref(
     w = _pad_heads(index_weights.float(), padded_heads)
     packed, ue8m0 = mxfp4_quantize_rows(q)
     q_scale = ue8m0.contiguous().view(torch.int32).squeeze(-1)
-    ws = torch.tensor(weight_scale, dtype=torch.float32, device=q.device)
-    return packed, q_scale, w * ws
+    return packed, q_scale, w * float(weight_scale)
 
 
 # ---------------------------------------------------------------------------
