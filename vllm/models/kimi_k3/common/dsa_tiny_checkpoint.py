@@ -5,8 +5,21 @@
 The config keeps every dimension that a kernel or cache format fixes (the MLA
 latent of 512 + 64 for ``fp8_ds_mla``, indexer head dim 128) and shrinks the
 rest: a few layers with both KDA and DSA layers and one MTP layer.
+:func:`write_tiny_checkpoint` writes ``config.json`` plus random weights in the
+real checkpoint naming (``model.safetensors``): the text-only
+``KimiLinearForCausalLM`` layout (``model.layers.N.*``, ``lm_head``), or with
+``prefix="language_model."`` the text part of the multimodal
+``KimiK3ForConditionalGeneration`` naming. DSA layers carry the indexer as the
+checkpoint names it, ``self_attn.indexer.{wq_b, wk, weights_proj, k_norm}``,
+and the MLA projections unfused (``q_a_proj``, ``kv_a_proj_with_mqa``,
+``g_proj``).
 
     python -m vllm.models.kimi_k3.common.dsa_tiny_checkpoint OUT_DIR
+    vllm serve OUT_DIR --skip-tokenizer-init --max-model-len 1024 \
+        --speculative-config '{"method": "kimi_k3_mtp", "num_speculative_tokens": 1}'
+
+(no tokenizer is written: send token ids, e.g. ``"prompt": [1, 2, 3]`` to
+``/v1/completions``).
 """
 
 from __future__ import annotations
@@ -15,7 +28,10 @@ import argparse
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 # 1-indexed, like Kimi K3's lists (the real model: full attention at 4, 8, ...,
 # 92, 93).
@@ -97,15 +113,224 @@ def write_tiny_config(path: str | Path, dsa: bool = True, **overrides: Any) -> P
     return out
 
 
+CHECKPOINT_FILE = "model.safetensors"
+
+
+def _is_kda_layer(config: dict[str, Any], layer_idx: int) -> bool:
+    return (layer_idx + 1) in config["linear_attn_config"]["kda_layers"]
+
+
+def _is_moe_layer(config: dict[str, Any], layer_idx: int) -> bool:
+    return (
+        config.get("num_experts") is not None
+        and layer_idx >= config.get("first_k_dense_replace", 0)
+        and layer_idx % config.get("moe_layer_freq", 1) == 0
+    )
+
+
+def tiny_checkpoint_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Kimi K3(.1) text checkpoint for ``config`` (a text
+    config dict), in the real naming, with its shape.
+
+    Layers ``num_hidden_layers .. + num_nextn_predict_layers - 1`` are the MTP
+    layers (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``, the embedding
+    copy, and a full-attention decoder block).
+    """
+    h = config["hidden_size"]
+    vocab = config["vocab_size"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (vocab, h),
+    }
+    num_layers = config["num_hidden_layers"]
+    num_mtp = config.get("num_nextn_predict_layers", 0) or 0
+    for idx in range(num_layers + num_mtp):
+        p = f"model.layers.{idx}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if idx < num_layers and _is_kda_layer(config, idx):
+            shapes.update(_kda_shapes(config, p + "self_attn."))
+        else:
+            shapes.update(_mla_shapes(config, p + "self_attn."))
+        shapes.update(_mlp_shapes(config, idx, p))
+        if idx >= num_layers:
+            shapes[p + "enorm.weight"] = (h,)
+            shapes[p + "hnorm.weight"] = (h,)
+            shapes[p + "eh_proj.weight"] = (h, 2 * h)
+            shapes[p + "shared_head.norm.weight"] = (h,)
+            shapes[p + "shared_head.head.weight"] = (vocab, h)
+            if idx == num_layers:
+                shapes[p + "embed_tokens.weight"] = (vocab, h)
+    return shapes
+
+
+def _kda_shapes(config: dict[str, Any], p: str) -> dict[str, tuple[int, ...]]:
+    h = config["hidden_size"]
+    kda = config["linear_attn_config"]
+    heads, dim = kda["num_heads"], kda["head_dim"]
+    proj = heads * dim
+    kernel = kda["short_conv_kernel_size"]
+    shapes = {
+        p + "q_proj.weight": (proj, h),
+        p + "k_proj.weight": (proj, h),
+        p + "v_proj.weight": (proj, h),
+        p + "f_a_proj.weight": (dim, h),
+        p + "f_b_proj.weight": (proj, dim),
+        p + "b_proj.weight": (heads, h),
+        p + "q_conv1d.weight": (proj, 1, kernel),
+        p + "k_conv1d.weight": (proj, 1, kernel),
+        p + "v_conv1d.weight": (proj, 1, kernel),
+        p + "dt_bias": (proj,),
+        p + "A_log": (heads,),
+        p + "o_norm.weight": (dim,),
+        p + "o_proj.weight": (h, proj),
+    }
+    if kda.get("use_full_rank_gate", False):
+        shapes[p + "g_proj.weight"] = (proj, h)
+    else:
+        shapes[p + "g_a_proj.weight"] = (dim, h)
+        shapes[p + "g_b_proj.weight"] = (proj, dim)
+    return shapes
+
+
+def _mla_shapes(config: dict[str, Any], p: str) -> dict[str, tuple[int, ...]]:
+    h = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    nope, rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+    v_dim, kv_lora = config["v_head_dim"], config["kv_lora_rank"]
+    q_lora = config.get("q_lora_rank")
+    shapes: dict[str, tuple[int, ...]] = {
+        p + "kv_a_proj_with_mqa.weight": (kv_lora + rope, h),
+        p + "kv_a_layernorm.weight": (kv_lora,),
+        p + "kv_b_proj.weight": (heads * (nope + v_dim), kv_lora),
+        p + "o_proj.weight": (h, heads * v_dim),
+    }
+    if q_lora is not None:
+        shapes[p + "q_a_proj.weight"] = (q_lora, h)
+        shapes[p + "q_a_layernorm.weight"] = (q_lora,)
+        shapes[p + "q_b_proj.weight"] = (heads * (nope + rope), q_lora)
+    else:
+        shapes[p + "q_proj.weight"] = (heads * (nope + rope), h)
+    if config.get("mla_use_output_gate"):
+        shapes[p + "g_proj.weight"] = (heads * v_dim, h)
+    dsa = config.get("dsa_config")
+    if dsa is not None:
+        idx_heads, idx_dim = dsa["index_num_heads"], dsa["index_head_dim"]
+        q_in = q_lora if q_lora is not None else h
+        shapes[p + "indexer.wq_b.weight"] = (idx_heads * idx_dim, q_in)
+        shapes[p + "indexer.wk.weight"] = (idx_dim, h)
+        shapes[p + "indexer.weights_proj.weight"] = (idx_heads, h)
+        shapes[p + "indexer.k_norm.weight"] = (idx_dim,)
+        if dsa.get("index_k_norm_type", "rmsnorm") == "layernorm":
+            shapes[p + "indexer.k_norm.bias"] = (idx_dim,)
+    return shapes
+
+
+def _mlp_shapes(config: dict[str, Any], idx: int, p: str) -> dict[str, tuple[int, ...]]:
+    h = config["hidden_size"]
+    if not _is_moe_layer(config, idx):
+        inter = config["intermediate_size"]
+        return {
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+    experts = config["num_experts"]
+    inter = config["moe_intermediate_size"]
+    m = p + "block_sparse_moe."
+    shapes: dict[str, tuple[int, ...]] = {
+        m + "gate.weight": (experts, h),
+        m + "gate.e_score_correction_bias": (experts,),
+    }
+    shared = config.get("num_shared_experts") or 0
+    if shared:
+        shapes[m + "shared_experts.gate_proj.weight"] = (inter * shared, h)
+        shapes[m + "shared_experts.up_proj.weight"] = (inter * shared, h)
+        shapes[m + "shared_experts.down_proj.weight"] = (h, inter * shared)
+    for e in range(experts):
+        shapes[m + f"experts.{e}.w1.weight"] = (inter, h)
+        shapes[m + f"experts.{e}.w3.weight"] = (inter, h)
+        shapes[m + f"experts.{e}.w2.weight"] = (h, inter)
+    return shapes
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith(("norm.weight", "layernorm.weight")) or name in {
+        "model.norm.weight"
+    }
+
+
+def tiny_checkpoint_tensors(
+    config: dict[str, Any],
+    *,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+    prefix: str = "",
+) -> dict[str, torch.Tensor]:
+    """Random tensors for :func:`tiny_checkpoint_shapes`, reproducible from
+    ``seed``; ``prefix="language_model."`` gives the multimodal naming."""
+    import torch
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in tiny_checkpoint_shapes(config).items():
+        value = torch.randn(shape, generator=generator, dtype=torch.float32)
+        if _is_norm(name):
+            value = 1.0 + 0.1 * value
+        elif name.endswith((".bias", "dt_bias", "A_log")):
+            value = 0.1 * value
+        else:
+            value = 0.02 * value
+        tensors[prefix + name] = value.to(dtype)
+    return tensors
+
+
+def write_tiny_checkpoint(
+    path: str | Path,
+    dsa: bool = True,
+    *,
+    seed: int = 0,
+    prefix: str = "",
+    **overrides: Any,
+) -> Path:
+    """Write a tiny Kimi K3.1 checkpoint (``config.json`` and
+    ``model.safetensors``) into ``path``; ``dsa=False`` writes plain Kimi K3.
+    Keyword overrides replace top-level text-config keys. Returns the
+    directory."""
+    from safetensors.torch import save_file
+
+    out = write_tiny_config(path, dsa=dsa, **overrides)
+    config = tiny_text_config(dsa=dsa, **overrides)
+    tensors = tiny_checkpoint_tensors(config, seed=seed, prefix=prefix)
+    save_file(
+        {name: t.contiguous() for name, t in tensors.items()},
+        str(out / CHECKPOINT_FILE),
+        metadata={"format": "pt"},
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="directory to write the checkpoint into")
     parser.add_argument(
-        "--no-dsa", action="store_true", help="write a plain Kimi K3 config"
+        "--no-dsa", action="store_true", help="write a plain Kimi K3 checkpoint"
     )
+    parser.add_argument(
+        "--config-only", action="store_true", help="write config.json only"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args(argv)
-    out = write_tiny_config(args.out_dir, dsa=not args.no_dsa)
-    print(f"wrote a tiny Kimi K3.1 checkpoint config to {out}")
+    if args.config_only:
+        out = write_tiny_config(args.out_dir, dsa=not args.no_dsa)
+        print(f"wrote a tiny Kimi K3.1 checkpoint config to {out}")
+        return
+    out = write_tiny_checkpoint(args.out_dir, dsa=not args.no_dsa, seed=args.seed)
+    print(
+        f"wrote a tiny Kimi K3.1 checkpoint (config.json, {CHECKPOINT_FILE}) to {out}"
+    )
 
 
 if __name__ == "__main__":
