@@ -829,3 +829,55 @@ def test_packed_plan_configs_satisfy_kernel_constraints():
             assert k % (config.block_size * config.vector_width) == 0
     # Shapes that are not packed Kimi K3.1 shapes get no plan.
     assert LL._packed_plan(2112, 7168) == {}
+
+
+# --------------------------------------------------------------------------
+# The indexer forward against the real sparse_attn_indexer op (dummy run)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k_norm", ["layernorm", "rmsnorm"])
+def test_indexer_forward_dummy_run_calls_op(dsa_layer_env, monkeypatch, k_norm):
+    """A profile (dummy) run through the real op schema: the seed's argument
+    list binds, the fp8 query scale is folded (q_scale None), the heads are
+    zero-padded to 32, and the fused insert skips the key."""
+    import vllm.model_executor.layers.sparse_attn_indexer as sai
+    from vllm.forward_context import set_forward_context
+
+    pytest.importorskip("vllm.models.kimi_k3.nvidia.ops.indexer_q_quant")
+    seen: dict[str, Any] = {}
+    real_fake = sai.sparse_attn_indexer_fake
+
+    def record(*args, **kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        return real_fake(*args, **kwargs)
+
+    monkeypatch.setattr(sai, "sparse_attn_indexer_fake", record)
+    layer = build(
+        dsa_layer_env,
+        dsa_layer_env.text_config(
+            dsa_config=dsa_layer_env.dsa_config(index_k_norm_type=k_norm)
+        ),
+    )
+    cpu_post_load(layer)
+    indexer = layer.dsa_indexer
+    hidden = torch.randn(5, 256)
+    q_c = torch.randn(5, 128)
+    with set_forward_context(None, dsa_layer_env.vllm_config):
+        out = indexer(hidden, q_c)
+    assert out is indexer.topk_indices_buffer
+    args = seen["args"]
+    q_quant, q_scale, k, weights = args[3], args[4], args[5], args[6]
+    assert q_quant.shape == (5, 32, 128) and q_quant.dtype == torch.float8_e4m3fn
+    assert q_scale is None
+    assert weights.shape == (5, 32) and weights.dtype == torch.float32
+    assert torch.all(weights[:, 4:] == 0)
+    fused = k_norm == "layernorm"
+    assert indexer.use_fused_k_insert is fused
+    assert (k is None) is fused
+    if not fused:
+        assert k.shape == (5, 128)
+    assert args[14] is fused  # skip_k_cache_insert
+    assert args[9] == TOPK and args[10] == 128  # topk_tokens, head_dim
+    assert args[7] == 128 and args[8] == "ue8m0"
+    assert args[18] is False  # use_fp4_cache

@@ -98,16 +98,25 @@ def padded_index_num_heads(index_num_heads: int) -> int:
 
 @functools.cache
 def kimi_k3_extension_available() -> bool:
-    """Whether ``vllm._kimi_k3_C`` (our CUDA kernels) is built and loads.
+    """Whether ``vllm._kimi_k3_C`` (our CUDA kernels) is built and loads, and
+    the python entry points of the fused forward import.
 
     Without it (a CPU machine, a build without nvcc) the fused forward does not
     switch on and the wrapper path serves with upstream ops only.
     """
     try:
-        importlib.import_module("vllm._kimi_k3_C")
-    except (ImportError, OSError):
+        from vllm.models.kimi_k3.nvidia.ops import _extension
+        from vllm.models.kimi_k3.nvidia.ops.fused_prologue import (  # noqa: F401
+            dsa_fused_prologue,
+            mxfp4_fused_prologue,
+        )
+        from vllm.models.kimi_k3.nvidia.ops.indexer_q_quant import (  # noqa: F401
+            indexer_q_quant_fold_weights,
+            mxfp4_q_quant,
+        )
+    except ImportError:
         return False
-    return True
+    return bool(_extension.extension_available())
 
 
 def _accepts_kwarg(fn: Any, name: str) -> bool:
@@ -821,16 +830,16 @@ class KimiK3DSAIndexer(nn.Module):
     def _fused_k_insert(self, index_k: torch.Tensor, num_tokens: int) -> None:
         """LayerNorm + quantize + insert of the keys, and the -1 fill of the
         top-k rows, in one kernel."""
-        from vllm.models.kimi_k3.nvidia.ops.indexer_k_insert import (
-            indexer_k_norm_quant_insert,
-            mxfp4_k_norm_quant_insert,
-        )
-
         attn_metadata = get_forward_context().attn_metadata
         kv_cache = self.k_cache.kv_cache
         # Dummy / profiling run: the op leaves the cache and buffer alone too.
         if not isinstance(attn_metadata, dict) or kv_cache.numel() == 0:
             return
+        from vllm.models.kimi_k3.nvidia.ops.indexer_k_insert import (
+            indexer_k_norm_quant_insert,
+            mxfp4_k_norm_quant_insert,
+        )
+
         metadata = attn_metadata[self.k_cache.prefix]
         assert isinstance(metadata, v32_indexer.DeepseekV32IndexerMetadata)
         assert self.topk_indices_buffer is not None
