@@ -712,3 +712,47 @@ def test_partial_reload_of_other_layers_is_not_refused(dsa_layer_env) -> None:
     router = DSAWeightRouter(dict(root.named_parameters()), {p: (p, attn)})
     assert router.load("layers.1.mlp.down_proj.weight", torch.zeros(1)) is None
     router.check_complete()
+
+
+# -- vLLM's own loader ---------------------------------------------------------
+
+
+def test_default_model_loader_end_to_end(dsa_layer_env, tmp_path: Path) -> None:
+    """vLLM's ``DefaultModelLoader`` reads the tiny checkpoint's safetensors
+    (its every-parameter-initialized check included); then the attention
+    layers' post-load pass and our model-level hook run in the loader's
+    order."""
+    import copy
+
+    from vllm.model_executor.model_loader import get_model_loader
+
+    env = dsa_layer_env
+    path = write_tiny_checkpoint(tmp_path / "k31", seed=7)
+    model = build(env)
+    model_config = copy.copy(env.vllm_config.model_config)
+    model_config.model = str(path)
+    loader = get_model_loader(env.vllm_config.load_config)
+    with torch.no_grad():
+        loader.load_weights(model, model_config)
+    ckpt = read_checkpoint(path)
+    assert_params_match(model, ckpt, _lm_ckpt_name)
+    calls: list[Any] = []
+    real = D.KimiK3DSAAttention.pack_projections
+    env.monkeypatch.setattr(
+        D.KimiK3DSAAttention,
+        "pack_projections",
+        lambda self: (calls.append(self), real(self))[1],
+    )
+    # The loader's post-load sequence (model_loader/utils.py
+    # process_weights_after_loading) minus its first pass, the quant methods'
+    # CPU repacking, which needs vLLM's CPU kernels (vllm._C) that the CUDA
+    # wheel lacks: then every attention layer's own pass, then the model-level
+    # hook, on the top-level model.
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    for _, module in model.named_modules():
+        if is_deferred_attention_layer(module):
+            module.process_weights_after_loading(model_config.dtype)
+    assert hasattr(model, "process_weights_after_loading")
+    model.process_weights_after_loading()
+    assert calls == [model.model.layers[i].self_attn for i in DSA_LAYERS]
