@@ -881,3 +881,89 @@ def test_indexer_forward_dummy_run_calls_op(dsa_layer_env, monkeypatch, k_norm):
     assert args[9] == TOPK and args[10] == 128  # topk_tokens, head_dim
     assert args[7] == 128 and args[8] == "ue8m0"
     assert args[18] is False  # use_fp4_cache
+
+
+# --------------------------------------------------------------------------
+# The fused path's composition on the CPU (kernels recorded, not run)
+# --------------------------------------------------------------------------
+
+
+def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
+    """``_fused_attention`` in a dummy run, with the prologue, the indexer
+    scoring and the sparse MLA op recorded: the packed GEMMs give exactly
+    what the six unpacked linears give, in the order the kernels take."""
+    import sys
+    import types
+
+    from vllm.forward_context import set_forward_context
+
+    layer = build(dsa_layer_env)
+    fill_random(layer)
+    cpu_post_load(layer)
+    indexer = layer.dsa_indexer
+    hidden = torch.randn(3, 256)
+    expected_qkv_a = layer.fused_qkv_a_proj(hidden)[0]
+    expected_wkv = indexer.wkv_index(hidden)[0]
+    layer.pack_projections()
+    assert layer._packed is not None
+
+    calls: dict[str, Any] = {}
+    q_c_normed = torch.randn(3, 128)
+    kv_c_normed = torch.randn(3, 512)
+
+    def prologue(*args):
+        calls["prologue"] = args
+        return q_c_normed, kv_c_normed
+
+    fused_prologue = types.ModuleType("fused_prologue")
+    fused_prologue.dsa_fused_prologue = prologue
+    fused_prologue.mxfp4_fused_prologue = None
+    monkeypatch.setitem(
+        sys.modules, "vllm.models.kimi_k3.nvidia.ops.fused_prologue", fused_prologue
+    )
+    monkeypatch.setattr(indexer, "score", lambda *args: calls.setdefault("score", args))
+    impl = layer.mla_attn.mla_attn.impl
+    monkeypatch.setattr(
+        impl, "record_logical_topk_ready", lambda: calls.setdefault("ready", True)
+    )
+
+    def mla_op(q, kv_c, k_pe, output, layer_name):
+        calls["mla"] = (q, kv_c, k_pe, output, layer_name)
+        output.fill_(1.0)
+
+    monkeypatch.setattr(torch.ops.vllm, "unified_mla_attention_with_output", mla_op)
+
+    with set_forward_context(None, dsa_layer_env.vllm_config):
+        out = layer._fused_attention(hidden)
+
+    args = calls["prologue"]
+    q_c, kv_c, k_pe, index_k = args[:4]
+    torch.testing.assert_close(q_c, expected_qkv_a[:, :128])
+    torch.testing.assert_close(kv_c, expected_qkv_a[:, 128:640])
+    torch.testing.assert_close(k_pe, expected_qkv_a[:, 640:])
+    torch.testing.assert_close(index_k, expected_wkv[:, :128])
+    assert args[4] is layer.q_a_layernorm.weight
+    assert args[5] is layer.kv_a_layernorm.weight
+    assert args[6] is indexer.k_index_norm.weight
+    assert args[7] is indexer.k_index_norm.bias
+    assert args[8] == indexer.k_index_norm.eps
+    assert args[9] is indexer.topk_indices_buffer
+    assert args[10:] == (None, None, None, None)  # dummy run: no caches
+
+    score_hidden, index_q, index_weights, score_k = calls["score"]
+    assert score_hidden is hidden and score_k is None
+    torch.testing.assert_close(index_weights, expected_wkv[:, 128:])
+    expected_index_q = q_c_normed @ indexer.wq_index.weight.T
+    torch.testing.assert_close(index_q, expected_index_q.view(3, 4, 128))
+    assert calls["ready"] is True
+
+    q, kv, k_pe_arg, output, layer_name = calls["mla"]
+    expected_q = (q_c_normed @ layer.q_b_proj.weight.T).view(3, 4, 192)
+    torch.testing.assert_close(q, expected_q)
+    assert kv is kv_c_normed
+    assert k_pe_arg.shape == (3, 1, 64)
+    torch.testing.assert_close(k_pe_arg[:, 0], expected_qkv_a[:, 640:])
+    from vllm.utils.torch_utils import _resolve_layer_name
+
+    assert _resolve_layer_name(layer_name) == layer.mla_attn.mla_attn.layer_name
+    assert out is output and out.shape == (3, 4 * 128)
