@@ -967,3 +967,44 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
 
     assert _resolve_layer_name(layer_name) == layer.mla_attn.mla_attn.layer_name
     assert out is output and out.shape == (3, 4 * 128)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "parallel"), [(1, True), (511, True), (512, False), (600, False)]
+)
+def test_gate_on_aux_stream_below_threshold(
+    dsa_layer_env, extension, monkeypatch, num_tokens, parallel
+):
+    from vllm.models.kimi_k3.nvidia.mla import _GATE_MULTI_STREAM_TOKEN_THRESHOLD
+
+    assert _GATE_MULTI_STREAM_TOKEN_THRESHOLD == 512
+    aux_stream = object()  # only handed through on this CPU machine
+    layer = build(dsa_layer_env, aux_stream=aux_stream)
+    fill_random(layer)
+    cpu_post_load(layer)
+    layer.pack_projections()
+    assert layer._gate_events is not None  # created with the aux stream
+    seen: list[Any] = []
+
+    def in_parallel(fn0, fn1, event0, event1, stream):
+        seen.append((event0, event1, stream))
+        return fn0(), fn1()
+
+    monkeypatch.setattr(D, "maybe_execute_in_parallel", in_parallel)
+    attn_out = torch.randn(num_tokens, 4 * 128)
+    monkeypatch.setattr(layer, "_fused_attention", lambda h: attn_out)
+    hidden = torch.randn(num_tokens, 256)
+    out = layer(torch.arange(num_tokens), hidden)
+    if parallel:
+        assert seen == [(*layer._gate_events, aux_stream)]
+    else:
+        assert seen == []
+    gate = hidden @ layer.g_proj.weight.T
+    expected = (attn_out * gate.sigmoid()) @ layer.o_proj.weight.T
+    torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_no_gate_events_when_declined(dsa_layer_env):
+    layer = build(dsa_layer_env, aux_stream=object())
+    layer.pack_projections()  # declines: no extension here
+    assert layer._packed is None and layer._gate_events is None
