@@ -1008,3 +1008,40 @@ def test_no_gate_events_when_declined(dsa_layer_env):
     layer = build(dsa_layer_env, aux_stream=object())
     layer.pack_projections()  # declines: no extension here
     assert layer._packed is None and layer._gate_events is None
+
+
+def test_request_warmup_registers_the_plan(monkeypatch):
+    """On a supported GPU the warmup asks 0.33.0's CuTe-DSL warmup for exactly
+    the configs the packed shape runs (device and kernel faked here)."""
+    pytest.importorskip("vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm")
+    requested: list[tuple[torch.dtype, set]] = []
+
+    class FakeGemm:
+        def request_warmup_configs(self, dtype, configs, **kwargs):
+            requested.append((dtype, set(configs)))
+
+    monkeypatch.setattr(LL, "_device_supported", lambda device: True)
+    monkeypatch.setattr(LL, "_skinny_gemm", lambda: FakeGemm())
+    packed = torch.empty(2272, 7168, dtype=torch.bfloat16)
+    assert LL.request_low_latency_warmup(packed) is True
+    assert requested == [(torch.bfloat16, set(LL._packed_plan(2272, 7168).values()))]
+    # Not a packed Kimi K3.1 shape, or not bf16: nothing requested.
+    assert LL.request_low_latency_warmup(torch.empty(2112, 7168)) is False
+    assert (
+        LL.request_low_latency_warmup(torch.empty(2112, 7168, dtype=torch.bfloat16))
+        is False
+    )
+    assert len(requested) == 1
+
+
+def test_packed_shape_overrides_replace_heuristic(monkeypatch):
+    skinny = pytest.importorskip(
+        "vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm"
+    )
+    measured = skinny.SkinnyGemmConfig(1, 64, 2, 2)
+    monkeypatch.setitem(LL.PACKED_SHAPE_CONFIG_OVERRIDES, (6400, 1536), {1: measured})
+    LL._packed_plan.cache_clear()
+    try:
+        assert LL._packed_plan(6400, 1536)[1] is measured
+    finally:
+        LL._packed_plan.cache_clear()

@@ -120,15 +120,14 @@ def kimi_k3_extension_available() -> bool:
 
 
 def _accepts_kwarg(fn: Any, name: str) -> bool:
-    """Whether ``fn`` takes the keyword ``name`` (feature detection of
-    upstream APIs newer than 0.33.0)."""
+    """Whether ``fn`` names the parameter ``name`` (feature detection of
+    upstream APIs newer than 0.33.0; a bare ``**kwargs`` does not count, it
+    may forward the keyword somewhere that refuses it)."""
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return name in parameters or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
-    )
+    return name in parameters
 
 
 def _upstream_init_dcp_topk_merge() -> Any:
