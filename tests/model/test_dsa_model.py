@@ -756,3 +756,36 @@ def test_default_model_loader_end_to_end(dsa_layer_env, tmp_path: Path) -> None:
     assert hasattr(model, "process_weights_after_loading")
     model.process_weights_after_loading()
     assert calls == [model.model.layers[i].self_attn for i in DSA_LAYERS]
+
+
+@pytest.mark.parametrize(
+    "mm_prefix", ["language_model.model.layers.", "language_model.layers."]
+)
+def test_multimodal_naming_through_the_kimi_k3_mapper(
+    dsa_layer_env, tmp_path: Path, mm_prefix: str
+) -> None:
+    """``KimiK3ForConditionalGeneration.load_weights`` is an
+    ``AutoWeightsLoader`` with its ``hf_to_vllm_mapper`` over a
+    ``language_model`` (the registered ``KimiLinearForCausalLM``); the text
+    weights of the multimodal checkpoint reach our loader the same way."""
+    from vllm.model_executor.models.utils import AutoWeightsLoader
+    from vllm.models.kimi_k3.nvidia.model import KimiK3ForConditionalGeneration
+
+    lm = build(dsa_layer_env)
+    holder = torch.nn.Module()
+    holder.language_model = lm
+    ckpt = read_checkpoint(write_tiny_checkpoint(tmp_path / "k31"))
+    mm = {}
+    for name, tensor in ckpt.items():
+        if name.startswith("model.layers."):
+            name = mm_prefix + name[len("model.layers.") :]
+        else:
+            name = "language_model." + name
+        mm[name] = tensor
+    with torch.no_grad():
+        loaded = AutoWeightsLoader(holder).load_weights(
+            iter(list(mm.items())),
+            mapper=KimiK3ForConditionalGeneration.hf_to_vllm_mapper,
+        )
+    assert loaded == {"language_model." + n for n, _ in lm.named_parameters()}
+    assert_params_match(lm, ckpt, _lm_ckpt_name)
