@@ -173,6 +173,16 @@ def _runtime_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def _aligned_rows(x: torch.Tensor, config: object) -> bool:
+    """The skinny GEMM's vectorized loads of ``x`` stay aligned (it raises
+    otherwise; a column slice at an odd offset falls back instead)."""
+    from vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm import (
+        row_stride_ok,
+    )
+
+    return row_stride_ok(x, config)
+
+
 def low_latency_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` through the fastest kernel known for its shape.
 
@@ -189,7 +199,11 @@ def low_latency_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if 1 <= x.shape[0] <= LOW_LATENCY_MAX_TOKENS and _runtime_ok(x, weight):
             config = _packed_plan(weight.shape[0], weight.shape[1]).get(x.shape[0])
             gemm = _skinny_gemm() if config is not None else None
-            if gemm is not None and _device_supported(x.device):
+            if (
+                gemm is not None
+                and _device_supported(x.device)
+                and _aligned_rows(x, config)
+            ):
                 return gemm(x, weight, config, None)
     return F.linear(x, weight)
 
