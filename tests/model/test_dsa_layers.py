@@ -844,7 +844,7 @@ def test_indexer_forward_dummy_run_calls_op(dsa_layer_env, monkeypatch, k_norm):
     import vllm.model_executor.layers.sparse_attn_indexer as sai
     from vllm.forward_context import set_forward_context
 
-    pytest.importorskip("vllm.models.kimi_k3.nvidia.ops.indexer_q_quant")
+    pytest.importorskip(f"{D.OPS_PACKAGE}.indexer_q_quant")
     seen: dict[str, Any] = {}
     real_fake = sai.sparse_attn_indexer_fake
 
@@ -918,9 +918,7 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
     fused_prologue = types.ModuleType("fused_prologue")
     fused_prologue.dsa_fused_prologue = prologue
     fused_prologue.mxfp4_fused_prologue = None
-    monkeypatch.setitem(
-        sys.modules, "vllm.models.kimi_k3.nvidia.ops.fused_prologue", fused_prologue
-    )
+    monkeypatch.setitem(sys.modules, f"{D.OPS_PACKAGE}.fused_prologue", fused_prologue)
     monkeypatch.setattr(indexer, "score", lambda *args: calls.setdefault("score", args))
     impl = layer.mla_attn.mla_attn.impl
     monkeypatch.setattr(

@@ -76,6 +76,17 @@ from vllm.v1.attention.backends.mla import indexer as v32_indexer
 
 logger = init_logger(__name__)
 
+# Our kernels' python entry points (the ops layer). Imported lazily: the
+# package must import where they are not built or not importable, and the
+# wrapper path needs none of them.
+OPS_PACKAGE = "vllm.models.kimi_k3.nvidia.ops"
+
+
+def _ops(module: str) -> Any:
+    """``OPS_PACKAGE.<module>``."""
+    return importlib.import_module(f"{OPS_PACKAGE}.{module}")
+
+
 # DeepGEMM's indexer MQA-logits kernels take exactly 32 or 64 heads.
 _DEEPGEMM_INDEX_HEADS = (32, 64)
 
@@ -105,18 +116,20 @@ def kimi_k3_extension_available() -> bool:
     switch on and the wrapper path serves with upstream ops only.
     """
     try:
-        from vllm.models.kimi_k3.nvidia.ops import _extension
-        from vllm.models.kimi_k3.nvidia.ops.fused_prologue import (  # noqa: F401
-            dsa_fused_prologue,
-            mxfp4_fused_prologue,
-        )
-        from vllm.models.kimi_k3.nvidia.ops.indexer_q_quant import (  # noqa: F401
-            indexer_q_quant_fold_weights,
-            mxfp4_q_quant,
-        )
+        extension = _ops("_extension")
+        prologue = _ops("fused_prologue")
+        q_quant = _ops("indexer_q_quant")
     except ImportError:
         return False
-    return bool(_extension.extension_available())
+    entry_points = (
+        getattr(prologue, "dsa_fused_prologue", None),
+        getattr(prologue, "mxfp4_fused_prologue", None),
+        getattr(q_quant, "indexer_q_quant_fold_weights", None),
+        getattr(q_quant, "mxfp4_q_quant", None),
+    )
+    if any(fn is None for fn in entry_points):
+        return False
+    return bool(extension.extension_available())
 
 
 def _accepts_kwarg(fn: Any, name: str) -> bool:
@@ -546,11 +559,7 @@ class KimiK3DSAAttention(nn.Module):
     def _fused_attention(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Packed GEMM, the fused prologue (norms, both cache inserts, top-k
         fill), packed query GEMM, indexer scoring, sparse MLA."""
-        from vllm.models.kimi_k3.nvidia.ops.fused_prologue import (
-            dsa_fused_prologue,
-            mxfp4_fused_prologue,
-        )
-
+        fused_prologue = _ops("fused_prologue")
         assert self.q_lora_rank is not None and self._packed is not None
         indexer = self.dsa_indexer
         attn = cast(Any, self.mla_attn.mla_attn)
@@ -587,7 +596,11 @@ class KimiK3DSAAttention(nn.Module):
         assert indexer.topk_indices_buffer is not None
         k_norm = cast(KimiK3DSAIndexerKNorm, indexer.k_index_norm)
         # One eps for the three norms (checked in pack_projections).
-        prologue = mxfp4_fused_prologue if indexer.use_fp4_cache else dsa_fused_prologue
+        prologue = (
+            fused_prologue.mxfp4_fused_prologue
+            if indexer.use_fp4_cache
+            else fused_prologue.dsa_fused_prologue
+        )
         q_c, kv_c_normed = prologue(
             q_c,
             kv_c,
@@ -793,9 +806,7 @@ class KimiK3DSAIndexer(nn.Module):
         pairing. ``index_q [T, H, D]``; ``index_k [T, D]``, already normed
         (training order: norm, then rope).
         """
-        from vllm.models.kimi_k3.nvidia.ops.index_rope import index_rope
-
-        index_rope(
+        _ops("index_rope").index_rope(
             index_q,
             index_k,
             positions.view(-1),
@@ -834,19 +845,15 @@ class KimiK3DSAIndexer(nn.Module):
         # Dummy / profiling run: the op leaves the cache and buffer alone too.
         if not isinstance(attn_metadata, dict) or kv_cache.numel() == 0:
             return
-        from vllm.models.kimi_k3.nvidia.ops.indexer_k_insert import (
-            indexer_k_norm_quant_insert,
-            mxfp4_k_norm_quant_insert,
-        )
-
+        k_insert = _ops("indexer_k_insert")
         metadata = attn_metadata[self.k_cache.prefix]
         assert isinstance(metadata, v32_indexer.DeepseekV32IndexerMetadata)
         assert self.topk_indices_buffer is not None
         norm = cast(KimiK3DSAIndexerKNorm, self.k_index_norm)
         insert = (
-            mxfp4_k_norm_quant_insert
+            k_insert.mxfp4_k_norm_quant_insert
             if self.use_fp4_cache
-            else indexer_k_norm_quant_insert
+            else k_insert.indexer_k_norm_quant_insert
         )
         insert(
             index_k,
@@ -907,19 +914,15 @@ class KimiK3DSAIndexer(nn.Module):
     ) -> torch.Tensor:
         """Top-k of the current rows into ``topk_indices_buffer``; ``index_k`` is
         None when the key was already inserted (``use_fused_k_insert``)."""
-        from vllm.models.kimi_k3.nvidia.ops.indexer_q_quant import (
-            indexer_q_quant_fold_weights,
-            mxfp4_q_quant,
-        )
-
+        q_quant_ops = _ops("indexer_q_quant")
         weight_scale = self.index_softmax_scale * self.indexer_weight_scale
         q_scale: torch.Tensor | None = None
         if self.use_fp4_cache:
-            q_quant, q_scale, weights = mxfp4_q_quant(
+            q_quant, q_scale, weights = q_quant_ops.mxfp4_q_quant(
                 index_q, index_weights, weight_scale, self.padded_index_num_heads
             )
         else:
-            q_quant, weights = indexer_q_quant_fold_weights(
+            q_quant, weights = q_quant_ops.indexer_q_quant_fold_weights(
                 index_q, index_weights, weight_scale, self.padded_index_num_heads
             )
         # Inserts the keys (unless fused) and writes the top-k into the shared
