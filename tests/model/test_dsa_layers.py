@@ -1043,3 +1043,45 @@ def test_packed_shape_overrides_replace_heuristic(monkeypatch):
         assert LL._packed_plan(6400, 1536)[1] is measured
     finally:
         LL._packed_plan.cache_clear()
+
+
+def test_indexer_forward_dummy_run_with_index_rope(dsa_layer_env, monkeypatch):
+    """A rope checkpoint with indexer rope: the key is normed and rotated in
+    the layer (no fused insert), then inserted by the op."""
+    import vllm.model_executor.layers.sparse_attn_indexer as sai
+    from vllm.forward_context import set_forward_context
+
+    pytest.importorskip(f"{D.OPS_PACKAGE}.indexer_q_quant")
+    pytest.importorskip(f"{D.OPS_PACKAGE}.index_rope")
+    seen: dict[str, Any] = {}
+    real_fake = sai.sparse_attn_indexer_fake
+
+    def record(*args, **kwargs):
+        seen["args"] = args
+        return real_fake(*args, **kwargs)
+
+    monkeypatch.setattr(sai, "sparse_attn_indexer_fake", record)
+    rotations: list[int] = []
+    real_rope = D.KimiK3DSAIndexer._apply_index_rope
+
+    def apply_rope(self, index_q, index_k, positions, rotary_emb):
+        rotations.append(self.index_rope_dim)
+        return real_rope(self, index_q, index_k, positions, rotary_emb)
+
+    monkeypatch.setattr(D.KimiK3DSAIndexer, "_apply_index_rope", apply_rope)
+    config = dsa_layer_env.text_config(
+        mla_use_nope=False,
+        dsa_config=dsa_layer_env.dsa_config(
+            index_k_norm_type="rmsnorm", index_rope_dim=32
+        ),
+    )
+    layer = build(dsa_layer_env, config)
+    cpu_post_load(layer)
+    indexer = layer.dsa_indexer
+    assert not indexer.use_fused_k_insert
+    positions = torch.arange(4)
+    with set_forward_context(None, dsa_layer_env.vllm_config):
+        indexer(torch.randn(4, 256), torch.randn(4, 128), positions, layer.rotary_emb)
+    assert rotations == [32]
+    assert seen["args"][5].shape == (4, 128)  # the normed, rotated key
+    assert seen["args"][14] is False  # the op inserts it
