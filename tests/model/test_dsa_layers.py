@@ -836,8 +836,30 @@ def test_packed_plan_configs_satisfy_kernel_constraints():
 # --------------------------------------------------------------------------
 
 
+@pytest.fixture
+def ops_layer(monkeypatch):
+    """Make the checkout's ops modules importable as ``D.OPS_PACKAGE.*``.
+
+    vLLM 0.33.0 ships its own ``vllm/models/kimi_k3/nvidia/ops/`` package, so
+    under an editable install its ``__path__`` (site-packages only) hides our
+    modules of the same package. A wheel install puts our files into that
+    directory; this fixture emulates that layout by appending the checkout's
+    directory to the package path for the test.
+    """
+    import importlib
+    from pathlib import Path
+
+    package = importlib.import_module(D.OPS_PACKAGE)
+    ours = str(Path(D.__file__).resolve().parent / "ops")
+    if ours not in list(package.__path__):
+        monkeypatch.setattr(package, "__path__", [*package.__path__, ours])
+    return package
+
+
 @pytest.mark.parametrize("k_norm", ["layernorm", "rmsnorm"])
-def test_indexer_forward_dummy_run_calls_op(dsa_layer_env, monkeypatch, k_norm):
+def test_indexer_forward_dummy_run_calls_op(
+    dsa_layer_env, ops_layer, monkeypatch, k_norm
+):
     """A profile (dummy) run through the real op schema: the seed's argument
     list binds, the fp8 query scale is folded (q_scale None), the heads are
     zero-padded to 32, and the fused insert skips the key."""
@@ -1045,7 +1067,9 @@ def test_packed_shape_overrides_replace_heuristic(monkeypatch):
         LL._packed_plan.cache_clear()
 
 
-def test_indexer_forward_dummy_run_with_index_rope(dsa_layer_env, monkeypatch):
+def test_indexer_forward_dummy_run_with_index_rope(
+    dsa_layer_env, ops_layer, monkeypatch
+):
     """A rope checkpoint with indexer rope: the key is normed and rotated in
     the layer (no fused insert), then inserted by the op."""
     import vllm.model_executor.layers.sparse_attn_indexer as sai
