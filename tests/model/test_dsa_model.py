@@ -499,8 +499,11 @@ def test_missing_indexer_tensor_refused(
     ckpt = read_checkpoint(write_tiny_checkpoint(tmp_path / "k31"))
     layer = DSA_LAYERS[-1]
     name = f"model.layers.{layer}.self_attn.{missing}"
+    load(model, _drop(ckpt, name))
+    # Refused once loading is over (a loader may split the tensors over
+    # several load_weights calls): by the model-level post-load hook.
     with pytest.raises(ValueError) as err:
-        load(model, _drop(ckpt, name))
+        model.process_weights_after_loading()
     assert f"layers.{layer}.self_attn" in str(err.value)
     assert name.removeprefix("model.") in str(err.value)
 
@@ -511,8 +514,25 @@ def test_plain_k3_checkpoint_on_a_dsa_config_refused(
     model = build(dsa_layer_env)
     ckpt = read_checkpoint(write_tiny_checkpoint(tmp_path / "k31"))
     no_indexer = {k: v for k, v in ckpt.items() if ".indexer." not in k}
+    load(model, no_indexer)
     with pytest.raises(ValueError, match="lacks indexer tensor"):
-        load(model, no_indexer)
+        model.process_weights_after_loading()
+
+
+def test_indexer_split_over_load_calls_accepted(dsa_layer_env, tmp_path: Path) -> None:
+    """Loaders that split a model over several ``load_weights`` calls, and a
+    model that was never loaded (``--load-format dummy``), pass the check."""
+    model = build(dsa_layer_env)
+    model.process_weights_after_loading()  # nothing loaded: nothing checked
+    ckpt = read_checkpoint(write_tiny_checkpoint(tmp_path / "k31"))
+    names = sorted(ckpt)
+    first = {n: ckpt[n] for n in names if "weights_proj" not in n}
+    second = {n: ckpt[n] for n in names if "weights_proj" in n}
+    assert second
+    load(model, first)
+    load(model, second)
+    model.process_weights_after_loading()
+    assert_params_match(model, ckpt, _lm_ckpt_name)
 
 
 @pytest.mark.parametrize(
@@ -540,8 +560,9 @@ def test_mtp_missing_and_unexpected_indexer_tensor_refused(
     mtp = build(dsa_layer_env, "mtp")
     ckpt = read_checkpoint(write_tiny_checkpoint(tmp_path / "k31"))
     p = f"model.layers.{MTP_LAYER}.self_attn."
+    load(mtp, _drop(ckpt, p + "indexer.wk.weight"))
     with pytest.raises(ValueError, match="lacks indexer tensor") as err:
-        load(mtp, _drop(ckpt, p + "indexer.wk.weight"))
+        mtp.process_weights_after_loading()
     assert f"model.layers.{MTP_LAYER}.mtp_block.self_attn" in str(err.value)
     assert p + "indexer.wk.weight" in str(err.value)
     extra = dict(ckpt)
@@ -688,6 +709,8 @@ def test_fp8_block_quantized_wq_b_loads_with_its_scale(dsa_layer_env) -> None:
     assert torch.equal(wkv[128:], wproj.to(wkv.dtype))
 
     # Without its scale the fp8 wq_b is incomplete.
+    root, attn = _fake_root(fp8=True)
+    params = dict(root.named_parameters())
     router = DSAWeightRouter(params, {p: (p, attn)})
     router.load(p + "indexer.wq_b.weight", weight)
     router.load(p + "indexer.wk.weight", wk)

@@ -6,7 +6,10 @@ Upstream target: ``vllm/models/kimi_k3/nvidia/model.py``
 ``vllm/models/kimi_k3/nvidia/mtp.py`` ``KimiK3MTP`` (none has a
 ``process_weights_after_loading`` in 0.33.0).
 
-Why: ``KimiK3DSAAttention.pack_projections()`` must run once the weights are
+Why: a DSA layer that received checkpoint tensors but not its whole indexer
+must be refused once all tensors are in (vLLM's own every-parameter check is
+skipped for quantized models, and names vLLM parameters, not checkpoint
+tensors); and ``KimiK3DSAAttention.pack_projections()`` must run once the weights are
 loaded and each ``MLAAttention`` has post-processed its own (it reads the
 resolved cache dtype). 0.33.0's loader
 (``model_executor/model_loader/utils.py`` ``process_weights_after_loading``)
@@ -19,7 +22,7 @@ hook, if a later vLLM adds one, runs first. Applied when the module is first
 imported.
 
 In-tree edit: ``def process_weights_after_loading(self): pack_dsa_projections(
-self)`` on the three classes.
+self)`` on the three classes (it checks indexer completeness first).
 """
 
 from __future__ import annotations

@@ -14,17 +14,21 @@ the MTP loader would silently drop the indexer. The wrapped loaders place
 ``self_attn.dsa_indexer.{wq_index, wkv_index (shards 0, 1), k_index_norm}``
 (fp8 ``wq_b`` scales included) and stack ``q_a_proj`` / ``kv_a_proj_with_mqa``
 into ``fused_qkv_a_proj``; every other tensor goes through 0.33.0's loader
-unchanged, ``g_proj`` included. A missing or unexpected indexer tensor raises,
-naming the layer and the tensor. Models without DSA layers take 0.33.0's
-path untouched. Applied when the module is first imported.
+unchanged, ``g_proj`` included. An unexpected indexer tensor raises at once,
+naming the layer and the tensor; what each DSA layer received is recorded on
+it, and the post-load hook (``dsa_post_load``) refuses a layer whose indexer is
+incomplete, naming the missing checkpoint tensors (after loading, because some
+loaders split a model over several ``load_weights`` calls). Models without DSA
+layers take 0.33.0's path untouched. Applied when the module is first
+imported.
 
 In-tree edit: in both ``load_weights``, rename ``.self_attn.indexer.wq_b.`` /
 ``.k_norm.`` to ``.self_attn.dsa_indexer.wq_index.`` / ``.k_index_norm.``,
 add ``(".dsa_indexer.wkv_index.", ".indexer.wk.", 0)``,
 ``(".dsa_indexer.wkv_index.", ".indexer.weights_proj.", 1)`` and the
 ``fused_qkv_a_proj`` entries next to the ``fused_qkv_a_g_proj`` ones (the loop
-already skips a mapping whose target is absent), and check indexer
-completeness at the end (:class:`DSAWeightRouter`).
+already skips a mapping whose target is absent), and record what each
+indexer received (:class:`DSAWeightRouter`).
 """
 
 from __future__ import annotations

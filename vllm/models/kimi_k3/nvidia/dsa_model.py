@@ -278,14 +278,51 @@ def dsa_attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 # ---------------------------------------------------------------------------
 
 
+@dataclass
+class DSALayerLoadState:
+    """What the checkpoint gave one DSA layer's indexer so far, kept on the
+    layer across ``load_weights`` calls (some loaders split a model's tensors
+    over several calls; a weight refit may send a subset of layers)."""
+
+    checkpoint_prefix: str
+    label: str
+    expected: frozenset[str]
+    seen: set[str] = field(default_factory=set)
+    touched: bool = False
+
+    def missing(self) -> list[str]:
+        return sorted(
+            f"{self.checkpoint_prefix}{CHECKPOINT_INDEXER}.{t}"
+            for t in self.expected - self.seen
+        )
+
+
+_LOAD_STATE_ATTR = "dsa_checkpoint_state"
+
+
+def expected_indexer_tensors(attn: nn.Module) -> frozenset[str]:
+    """Checkpoint names, relative to ``...self_attn.indexer.``, that a DSA
+    layer's indexer takes: one per parameter of ``wq_index`` (fp8 scales
+    included) and ``k_index_norm``, two per parameter of ``wkv_index``."""
+    indexer = getattr(attn, MODULE_INDEXER)
+    expected: set[str] = set()
+    for ckpt_name, (module_name, _) in INDEXER_CHECKPOINT_NAMES.items():
+        module = getattr(indexer, module_name)
+        for param_name, _ in module.named_parameters():
+            expected.add(f"{ckpt_name}.{param_name}")
+    return frozenset(expected)
+
+
 class DSAWeightRouter:
-    """Loads the tensors 0.33.0's Kimi K3 loaders cannot place for DSA layers
-    and checks that every DSA layer's indexer is complete.
+    """Loads the tensors 0.33.0's Kimi K3 loaders cannot place for DSA layers.
 
     ``layers`` maps each DSA layer's checkpoint attention prefix (as names
     reach the loader, e.g. ``layers.3.self_attn.``) to its parameter prefix
     (e.g. ``layers.3.self_attn.`` in the target model,
-    ``model.layers.5.mtp_block.self_attn.`` in the MTP draft) and module.
+    ``model.layers.5.mtp_block.self_attn.`` in the MTP draft) and module. An
+    indexer tensor the layer does not have raises at once; what each layer
+    received is recorded on it (:class:`DSALayerLoadState`) for
+    :func:`check_dsa_indexers_complete`.
     """
 
     def __init__(
@@ -295,33 +332,23 @@ class DSAWeightRouter:
     ) -> None:
         self.params_dict = params_dict
         self.layers = layers
-        # checkpoint prefix -> expected checkpoint suffixes under "indexer."
-        self.expected: dict[str, set[str]] = {
-            ckpt: self._expected_indexer_tensors(attn)
-            for ckpt, (_, attn) in layers.items()
-        }
-        self.seen: dict[str, set[str]] = {ckpt: set() for ckpt in layers}
-        self.touched: set[str] = set()
-
-    @staticmethod
-    def _expected_indexer_tensors(attn: nn.Module) -> set[str]:
-        indexer = getattr(attn, MODULE_INDEXER)
-        expected: set[str] = set()
-        for ckpt_name, (module_name, _) in INDEXER_CHECKPOINT_NAMES.items():
-            module = getattr(indexer, module_name)
-            for param_name, _ in module.named_parameters():
-                expected.add(f"{ckpt_name}.{param_name}")
-        return expected
+        self.states: dict[str, DSALayerLoadState] = {}
+        for ckpt, (param_prefix, attn) in layers.items():
+            state = getattr(attn, _LOAD_STATE_ATTR, None)
+            if state is None or state.checkpoint_prefix != ckpt:
+                state = DSALayerLoadState(
+                    checkpoint_prefix=ckpt,
+                    label=param_prefix.rstrip("."),
+                    expected=expected_indexer_tensors(attn),
+                )
+                setattr(attn, _LOAD_STATE_ATTR, state)
+            self.states[ckpt] = state
 
     def _layer_of(self, name: str) -> str | None:
         for ckpt in self.layers:
             if name.startswith(ckpt):
                 return ckpt
         return None
-
-    @staticmethod
-    def _layer_label(param_prefix: str) -> str:
-        return param_prefix.rstrip(".")
 
     def route(self, name: str) -> tuple[str, int | None] | None:
         """The parameter and shard id a checkpoint name loads into, or None
@@ -331,7 +358,8 @@ class DSAWeightRouter:
         if ckpt is None:
             return None
         param_prefix, attn = self.layers[ckpt]
-        self.touched.add(ckpt)
+        state = self.states[ckpt]
+        state.touched = True
         rest = name[len(ckpt) :]
         head, _, suffix = rest.partition(".")
         if head == CHECKPOINT_INDEXER:
@@ -343,13 +371,15 @@ class DSAWeightRouter:
                 else f"{param_prefix}{MODULE_INDEXER}.{mapping[0]}.{param_suffix}"
             )
             if mapping is None or not param_suffix or target not in self.params_dict:
-                raise ValueError(
-                    f"Kimi K3.1 DSA layer '{self._layer_label(param_prefix)}': "
-                    f"unexpected indexer tensor '{name}' in the checkpoint; this "
-                    "layer's indexer takes "
-                    f"{sorted(ckpt + 'indexer.' + t for t in self.expected[ckpt])}"
+                takes = sorted(
+                    f"{ckpt}{CHECKPOINT_INDEXER}.{t}" for t in state.expected
                 )
-            self.seen[ckpt].add(suffix)
+                raise ValueError(
+                    f"Kimi K3.1 DSA layer '{state.label}': unexpected indexer "
+                    f"tensor '{name}' in the checkpoint; this layer's indexer "
+                    f"takes {takes}"
+                )
+            state.seen.add(suffix)
             return target, mapping[1]
         shard = FUSED_QKV_A_CHECKPOINT_NAMES.get(head)
         if shard is not None and hasattr(attn, "fused_qkv_a_proj"):
@@ -380,18 +410,36 @@ class DSAWeightRouter:
         return target
 
     def check_complete(self) -> None:
-        """Every DSA layer that received weights in this call received its
-        whole indexer (a partial reload of other layers is fine)."""
-        for ckpt in sorted(self.touched):
-            missing = self.expected[ckpt] - self.seen[ckpt]
-            if missing:
-                param_prefix, _ = self.layers[ckpt]
-                raise ValueError(
-                    f"Kimi K3.1 DSA layer '{self._layer_label(param_prefix)}': the "
-                    "checkpoint lacks indexer tensor(s) "
-                    f"{sorted(ckpt + 'indexer.' + t for t in missing)} (a Kimi K3 "
-                    "checkpoint without DSA weights cannot be served as Kimi K3.1)"
-                )
+        """:func:`check_dsa_indexers_complete` over this router's layers."""
+        _raise_incomplete(self.states.values())
+
+
+def _raise_incomplete(states: Iterable[DSALayerLoadState]) -> None:
+    for state in states:
+        if not state.touched:
+            continue
+        missing = state.missing()
+        if missing:
+            raise ValueError(
+                f"Kimi K3.1 DSA layer '{state.label}': the checkpoint lacks "
+                f"indexer tensor(s) {missing} (a Kimi K3 checkpoint without DSA "
+                "weights cannot be served as Kimi K3.1)"
+            )
+
+
+def check_dsa_indexers_complete(model: nn.Module) -> None:
+    """Every DSA layer under ``model`` that received checkpoint tensors
+    received its whole indexer (over all ``load_weights`` calls so far).
+
+    Run after loading: vLLM's own every-parameter-initialized check is skipped
+    for quantized models such as Kimi K3.1's, and names vLLM parameters rather
+    than checkpoint tensors. A layer that received nothing (``--load-format
+    dummy``) is not checked.
+    """
+    states = [
+        getattr(attn, _LOAD_STATE_ATTR, None) for _, attn in dsa_attention_layers(model)
+    ]
+    _raise_incomplete(s for s in states if s is not None)
 
 
 def _weights_with_router(
@@ -466,7 +514,6 @@ def load_kimi_linear_model_weights(
             weights, router, loaded, refuse_foreign_indexer=refuse_foreign_indexer
         ),
     )
-    router.check_complete()
     return loaded
 
 
@@ -510,7 +557,6 @@ def load_kimi_k3_mtp_weights(
         mtp,
         _weights_with_router(weights, router, loaded, normalize=_strip_language_model),
     )
-    router.check_complete()
     return loaded
 
 
@@ -520,10 +566,13 @@ def load_kimi_k3_mtp_weights(
 
 
 def pack_dsa_projections(model: nn.Module) -> int:
-    """Stands for the top-level ``process_weights_after_loading``: let every
-    DSA layer pack its projections for the fused forward. A layer may decline
-    (it then keeps the wrapper forward); a rerun after a weight reload is a
-    no-op per layer. Returns the number of DSA layers visited."""
+    """Stands for the top-level ``process_weights_after_loading``: check that
+    every DSA layer that was loaded got its whole indexer
+    (:func:`check_dsa_indexers_complete`), then let every DSA layer pack its
+    projections for the fused forward. A layer may decline (it then keeps the
+    wrapper forward); a rerun after a weight reload is a no-op per layer.
+    Returns the number of DSA layers visited."""
+    check_dsa_indexers_complete(model)
     layers = dsa_attention_layers(model)
     for _, attn in layers:
         attn.pack_projections()
