@@ -66,8 +66,8 @@ def _extension_modules() -> list:
             sources=sources,
             include_dirs=[str(ROOT / "csrc")],
             extra_compile_args={
-                "cxx": ["-O3", "-std=c++17"],
-                "nvcc": ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"],
+                "cxx": ["-O3", "-std=c++20"],
+                "nvcc": ["-O3", "-std=c++20", "-lineinfo", "--expt-relaxed-constexpr"],
             },
         )
     ]

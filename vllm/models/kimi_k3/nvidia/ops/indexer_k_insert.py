@@ -1,0 +1,204 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Indexer key k-norm -> quantize -> paged insert, and its reference.
+
+The CUDA kernel (``csrc/kimi_k3/indexer_k_insert.cu``) and the pure-torch
+reference below write the same bytes; the reference is the contract.
+
+Semantics, per token ``t < slot_mapping.numel()`` with ``slot >= 0``:
+
+1. ``k = layer_norm(index_k[t].float(), weight, bias, eps).bfloat16()``: the
+   bias-full fp32 LayerNorm of ``KimiK3DSAIndexerKNorm``, rounded to bf16 as
+   that module returns it, so the fused path stores what the unfused one
+   would quantize.
+2. fp8: ``e = ceil(log2(max(amax(k), 1e-4) / 448))``; codes
+   ``e4m3(k * 2**-e)`` (round to nearest even, saturating); scale word
+   ``2**e`` as fp32 (SM90 readers) or four equal UE8M0 bytes ``e + 127``
+   (SM100 readers, ``mx_scales``).
+   MXFP4: per 32 values ``e = ceil(log2(max(amax, 6 * 2^-126) * (1/6)))``;
+   e2m1 codes of ``k * 2**-e`` (even element in the low nibble), UE8M0 byte
+   ``e + 127`` per 32 values.
+3. Indexer cache ``[num_blocks, block_size, entry]`` uint8, entry 132 (fp8) or
+   68 (MXFP4) bytes at head dim 128. Per block (block stride taken from the
+   tensor: blocks of the packed DSA row are not contiguous):
+   ``[block_size x values][block_size x scales]``; slot ``s`` lives in block
+   ``s // block_size`` at row ``s % block_size`` of each region.
+
+Slots of -1 are skipped. Rows ``[0, num_tokens)`` of the top-k buffer are
+set to -1. An empty cache (profiling run) touches nothing, the top-k buffer
+included. Slots beyond the cache are never written (a device-side guard);
+``check_slots=True`` raises for them instead (one host sync, so it is off by
+default and always skipped while a CUDA graph is being captured).
+"""
+
+import torch
+
+from vllm.models.kimi_k3.nvidia.ops._extension import kimi_k3_ops
+from vllm.models.kimi_k3.nvidia.ops.formats import (
+    indexer_block_views,
+    indexer_fp8_entry,
+    mxfp4_quantize_rows,
+    use_mx_scales,
+)
+
+
+def check_slot_bounds(slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """Raise when a slot is neither -1 nor inside the paged cache.
+
+    Syncs with the device; a no-op during CUDA-graph capture."""
+    if slot_mapping.numel() == 0 or kv_cache.numel() == 0:
+        return
+    if slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    lo, hi = (int(v) for v in torch.aminmax(slot_mapping))
+    if lo < -1 or hi >= num_slots:
+        raise ValueError(
+            f"slot_mapping holds slots in [{lo}, {hi}] but the cache has "
+            f"{num_slots} slots (-1 means skip)"
+        )
+
+
+def _insert(
+    index_k: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_indices_buffer: torch.Tensor,
+    num_tokens: int,
+    fp4: bool,
+    mx_scales: bool,
+    check_slots: bool,
+) -> None:
+    if check_slots:
+        check_slot_bounds(slot_mapping, kv_cache)
+    kimi_k3_ops().indexer_k_norm_quant_insert(
+        index_k,
+        weight,
+        bias,
+        eps,
+        slot_mapping,
+        kv_cache,
+        topk_indices_buffer,
+        num_tokens,
+        fp4,
+        mx_scales,
+    )
+
+
+def indexer_k_norm_quant_insert(
+    index_k: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_indices_buffer: torch.Tensor,
+    num_tokens: int,
+    mx_scales: bool | None = None,
+    check_slots: bool = False,
+) -> None:
+    """fp8 indexer key insert (CUDA). ``mx_scales=None`` picks the scale
+    word the device's DeepGEMM reads (UE8M0 x4 on SM10x, fp32 elsewhere)."""
+    if mx_scales is None:
+        mx_scales = use_mx_scales(kv_cache.device)
+    _insert(
+        index_k,
+        weight,
+        bias,
+        eps,
+        slot_mapping,
+        kv_cache,
+        topk_indices_buffer,
+        num_tokens,
+        False,
+        mx_scales,
+        check_slots,
+    )
+
+
+def mxfp4_k_norm_quant_insert(
+    index_k: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_indices_buffer: torch.Tensor,
+    num_tokens: int,
+    check_slots: bool = False,
+) -> None:
+    """MXFP4 indexer key insert (CUDA), 68 bytes per token at head dim 128."""
+    _insert(
+        index_k,
+        weight,
+        bias,
+        eps,
+        slot_mapping,
+        kv_cache,
+        topk_indices_buffer,
+        num_tokens,
+        True,
+        False,
+        check_slots,
+    )
+
+
+def k_norm_reference(
+    index_k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Bias-full fp32 LayerNorm, returned in bf16 (the k-norm module)."""
+    k = torch.nn.functional.layer_norm(
+        index_k.float(), (index_k.shape[-1],), weight.float(), bias.float(), eps
+    )
+    return k.to(torch.bfloat16)
+
+
+def write_indexer_entries(
+    k: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    fp4: bool,
+    mx_scales: bool = False,
+) -> None:
+    """Quantize normed keys ``k [N, D]`` (bf16) into ``kv_cache`` at their
+    slots (-1 skipped); the byte layout is the module docstring's."""
+    n = slot_mapping.numel()
+    if n == 0 or kv_cache.numel() == 0:
+        return
+    head_dim = k.shape[-1]
+    if fp4:
+        values, scales = mxfp4_quantize_rows(k[:n])
+    else:
+        values, scales = indexer_fp8_entry(k[:n], mx_scales)
+    vview, sview = indexer_block_views(kv_cache, head_dim, fp4)
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    slots = slots[keep]
+    block_size = kv_cache.shape[1]
+    blk, off = slots // block_size, slots % block_size
+    vview[blk, off] = values[keep]
+    sview[blk, off] = scales[keep]
+
+
+def indexer_k_insert_reference(
+    index_k: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_indices_buffer: torch.Tensor,
+    num_tokens: int,
+    fp4: bool = False,
+    mx_scales: bool = False,
+) -> None:
+    """Pure-torch twin of both insert kernels (mutates its arguments)."""
+    if kv_cache.numel() == 0:
+        return
+    n = slot_mapping.numel()
+    k = k_norm_reference(index_k[:n], weight, bias, eps)
+    write_indexer_entries(k, slot_mapping, kv_cache, fp4, mx_scales)
+    topk_indices_buffer[:num_tokens] = -1
