@@ -1109,3 +1109,14 @@ def test_indexer_forward_dummy_run_with_index_rope(
     assert rotations == [32]
     assert seen["args"][5].shape == (4, 128)  # the normed, rotated key
     assert seen["args"][14] is False  # the op inserts it
+
+
+def test_fused_insert_without_extension_warns_on_cuda(dsa_layer_env, log, monkeypatch):
+    monkeypatch.setattr(D.current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(D, "_extension_loaded", lambda: False)
+    build_indexer(dsa_layer_env)
+    (message,) = log.messages("warning_once")
+    assert "fused indexer key insert needs vllm._kimi_k3_C" in message
+    monkeypatch.setattr(D, "_extension_loaded", lambda: True)
+    build_indexer(dsa_layer_env)
+    assert len(log.messages("warning_once")) == 1

@@ -132,6 +132,16 @@ def kimi_k3_extension_available() -> bool:
     return bool(extension.extension_available())
 
 
+def _extension_loaded() -> bool:
+    """Whether ``vllm._kimi_k3_C`` loads (the kernels alone, without the
+    fused-forward entry points that :func:`kimi_k3_extension_available` also
+    requires)."""
+    try:
+        return bool(_ops("_extension").extension_available())
+    except ImportError:
+        return False
+
+
 def _accepts_kwarg(fn: Any, name: str) -> bool:
     """Whether ``fn`` names the parameter ``name`` (feature detection of
     upstream APIs newer than 0.33.0; a bare ``**kwargs`` does not count, it
@@ -762,6 +772,19 @@ class KimiK3DSAIndexer(nn.Module):
         )
         if self.use_fp4_cache and not self.use_fused_k_insert:
             raise NotImplementedError("MXFP4 indexer keys need the fused key insert")
+        if (
+            self.use_fused_k_insert
+            and current_platform.is_cuda()
+            and not _extension_loaded()
+        ):
+            # 0.33.0's op has no insert for a LayerNorm-ed key it did not
+            # norm itself, so the fused insert is our kernel's job.
+            logger.warning_once(
+                "Kimi K3.1 DSA: the fused indexer key insert needs "
+                "vllm._kimi_k3_C, which is not built or does not load; "
+                "serving will fail at the first batch. Reinstall the package "
+                "with torch and a CUDA toolkit (nvcc) present."
+            )
         # DCP, as 0.33.0's SparseAttnIndexer: the op merges each rank's local
         # top-k into the global one (_merge_dcp_topk_global).
         self._parallel_config = vllm_config.parallel_config
