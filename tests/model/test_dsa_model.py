@@ -812,3 +812,20 @@ def test_multimodal_naming_through_the_kimi_k3_mapper(
         )
     assert loaded == {"language_model." + n for n, _ in lm.named_parameters()}
     assert_params_match(lm, ckpt, _lm_ckpt_name)
+
+
+def test_vllm_initialize_model_resolves_the_wired_architecture(dsa_layer_env) -> None:
+    """vLLM's own ``initialize_model`` (registry resolution of
+    ``KimiLinearForCausalLM``, signature inspection, config context) builds the
+    DSA model: the seams patch the registered classes in place."""
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    env = dsa_layer_env
+    env.monkeypatch.setattr(torch.cuda, "Stream", _NoCudaStream)
+    with set_default_torch_dtype(torch.bfloat16):
+        model = initialize_model(vllm_config=env.vllm_config)
+    assert type(model).__name__ == "KimiLinearForCausalLM"
+    attns = [model.model.layers[i].self_attn for i in DSA_LAYERS]
+    assert all(isinstance(a, D.KimiK3DSAAttention) for a in attns)
+    assert all(a.topk_indices_buffer is model.model.topk_indices_buffer for a in attns)
