@@ -32,7 +32,9 @@ def independent_plan(
     states_per_row = 23  # 69 states in 3 rows of 23
     units = math.ceil(states_per_row * state * tp / (128 * 16 * row))
     block = 128 * units * 16 // tp
-    block_bytes = block * row
+    # Whole 64-token kernel pages of the MLA (656 B) and indexer caches.
+    page_step = math.lcm(64 * 656, 64 * index_bytes)
+    block_bytes = math.ceil(block * row / page_step) * page_step
     blocks = budget // block_bytes
     per_request = math.ceil(max_len / block) + 3
     return dict(

@@ -17,6 +17,7 @@ from vllm.models.kimi_k3.common import dsa_cache
 from vllm.models.kimi_k3.common.dsa_cache import (
     _PD_REFERENCE_TP,
     kda_state_bytes,
+    packed_block_bytes,
     packed_block_size_from_bytes,
     packed_dsa_block_size,
     packed_row_bytes_per_token,
@@ -234,7 +235,11 @@ def test_vllm_packer_puts_states_per_row_states_in_a_row(tp):
     from vllm.model_executor.layers.mamba.mamba_utils import (
         MambaStateShapeCalculator,
     )
-    from vllm.v1.core.kv_cache_planning import _get_packed_kv_cache_groups
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.core.kv_cache_planning import (
+        _get_kv_cache_bytes_per_block,
+        _get_packed_kv_cache_groups,
+    )
     from vllm.v1.kv_cache_interface import (
         KVCacheLayout,
         MambaSpec,
@@ -249,8 +254,11 @@ def test_vllm_packer_puts_states_per_row_states_in_a_row(tp):
     full = list(range(3, 93, 4)) + [92]
     for layer in range(93):
         if layer in full:
+            # block_stride_alignment as the runner's customize_attention_spec
+            # sets it for 64-token kernel pages.
             specs[f"l{layer}.mla"] = MLAAttentionSpec(
                 block_size=block,
+                block_stride_alignment=MultipleOf(64),
                 num_kv_heads=1,
                 head_size=576,
                 dtype=torch.uint8,
@@ -259,6 +267,7 @@ def test_vllm_packer_puts_states_per_row_states_in_a_row(tp):
             )
             specs[f"l{layer}.index"] = MLAAttentionSpec(
                 block_size=block,
+                block_stride_alignment=MultipleOf(64),
                 num_kv_heads=1,
                 max_tp_shards=1,
                 head_size=132,
@@ -291,6 +300,12 @@ def test_vllm_packer_puts_states_per_row_states_in_a_row(tp):
         else:
             assert page == row_bytes
     assert sorted(state_groups) == [23, 23, 23]
+    # The planner's block bytes are what the plan command counts.
+    planned = _get_kv_cache_bytes_per_block(groups, KVCacheLayout.BLHNC)
+    assert planned == packed_block_bytes(
+        block, 24 * 788, 23 * state_bytes, [64 * 656, 64 * 132]
+    )
+    assert planned > row_bytes  # the row rounded to whole kernel pages
 
 
 def test_block_size_seam_on_the_real_config(vllm_config_for):

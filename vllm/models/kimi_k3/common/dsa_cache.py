@@ -382,6 +382,22 @@ def packed_dsa_alignment(
     return math.lcm(128, *kernel_block_sizes, checkpoint_alignment or 1)
 
 
+def packed_block_bytes(
+    block_size: int,
+    row_bytes_per_token: int,
+    state_group_bytes: int,
+    kernel_page_bytes: list[int],
+) -> int:
+    """Bytes of one packed block, as 0.33.0's planner lays it out
+    (``_get_kv_cache_bytes_per_block``): the widest group (the DSA row or a
+    state group) rounded up to whole kernel pages of every split cache
+    (``block_stride_alignment``: 64 x 656 B for ``fp8_ds_mla``, 64 x 132 B for
+    fp8 indexer keys), so the runner can address each cache's kernel pages."""
+    widest = max(block_size * row_bytes_per_token, state_group_bytes)
+    step = math.lcm(*kernel_page_bytes) if kernel_page_bytes else 1
+    return cdiv(widest, step) * step
+
+
 def backend_kernel_block_alignments(backends: list[Any]) -> list[int]:
     """The smallest kernel block of each attention backend (a ``MultipleOf``
     counts as its base), as 0.33.0's hybrid alignment reads them."""

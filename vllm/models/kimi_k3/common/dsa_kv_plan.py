@@ -72,6 +72,7 @@ class KVPlan:
     draft_method: str | None
     draft_bytes_per_token: int
     row_bytes_per_token: int
+    row_bytes: int
     num_speculative_tokens: int
     kda_state_bytes: int
     kda_bytes_per_request: int
@@ -221,7 +222,14 @@ def make_plan(
     spr = dsa_cache.states_per_row(num_dsa, num_kda)
     alignment = dsa_cache.packed_dsa_alignment(list(KERNEL_BLOCK_SIZES))
     block = dsa_cache.packed_block_size_from_bytes(row, spr, state, alignment, tp)
-    block_bytes = max(block * row, spr * state)
+    # FlashMLA sparse and the indexer read 64-token pages; the planner keeps
+    # the block stride a whole number of both.
+    block_bytes = dsa_cache.packed_block_bytes(
+        block,
+        row,
+        spr * state,
+        [KERNEL_BLOCK_SIZES[0] * mla, KERNEL_BLOCK_SIZES[1] * index],
+    )
     num_state_groups = -(-num_kda // spr)
     num_blocks = kv_budget_bytes // block_bytes
     blocks_per_request = -(-max_model_len // block) + num_state_groups
@@ -258,6 +266,7 @@ def make_plan(
         alignment=alignment,
         reference_tp=dsa_cache._PD_REFERENCE_TP,
         block_size=block,
+        row_bytes=block * row,
         block_bytes=block_bytes,
         num_blocks=num_blocks,
         max_tokens=(num_blocks - num_state_groups) * block,
@@ -303,8 +312,9 @@ def format_plan(p: KVPlan) -> str:
         "Block:",
         f"  block size {p.block_size:,} tokens (multiple of {p.alignment}, rounded at "
         f"reference TP {p.reference_tp})",
-        f"  block bytes {p.block_bytes:,} ({_human(p.block_bytes)}); "
-        f"{p.states_per_row} KDA states per row, {p.num_state_groups} state groups",
+        f"  block bytes {p.block_bytes:,} ({_human(p.block_bytes)}): the row's "
+        f"{p.row_bytes:,} B in whole 64-token kernel pages",
+        f"  {p.states_per_row} KDA states per row, {p.num_state_groups} state groups",
         "Capacity:",
         f"  blocks {p.num_blocks:,}",
         f"  KV tokens {p.max_tokens:,} (one request)",
