@@ -698,6 +698,13 @@ def main() -> None:
     p.add_argument(
         "--no-compile", action="store_true", help="skip the torch.compile column"
     )
+    p.add_argument(
+        "--q-block-h",
+        type=int,
+        nargs="*",
+        default=[],
+        help="extra rows: the query kernels with these heads per program",
+    )
     for f in (
         "q_lora",
         "kv_lora",

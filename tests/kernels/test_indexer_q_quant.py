@@ -223,10 +223,16 @@ def test_mxfp4_triton_kernel_under_interpreter() -> None:
         import torch
         from vllm.models.kimi_k3.nvidia.ops import indexer_q_quant as m
         torch.manual_seed(0)
-        for t, h, hp in ((2, 20, 32), (1, 40, 64)):
-            row = (torch.randn(t, h * 129 + 9) * 3).bfloat16()
+        # An even row stride takes the bf16-pair path, an odd one the
+        # element path; fp32 input the element path too.
+        cases = ((2, 20, 32, 10, torch.bfloat16), (2, 40, 64, 9, torch.bfloat16),
+                 (2, 32, 32, 10, torch.float32))
+        for t, h, hp, extra, dtype in cases:
+            row = (torch.randn(t, h * 129 + extra) * 3).to(dtype)
             q = row[:, : h * 128].view(t, h, 128)
-            w = row[:, h * 128 + 9 :]
+            w = row[:, h * 128 + 9 :][:, :h]
+            pairs = extra == 10 and dtype == torch.bfloat16
+            assert (m._as_bf16_pairs(q) is not None) == pairs
             got = m._mxfp4_q_quant_triton(q, w, 0.0625, hp)
             want = m.mxfp4_q_quant_ref(q, w, 0.0625, hp)
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (t, h, hp)
@@ -256,7 +262,15 @@ def _poison_allocator() -> None:
     del junk
 
 
-SHAPES = [(1, 32, 32), (7, 20, 32), (64, 32, 64), (257, 48, 64), (1031, 64, 64)]
+# Token counts on both sides of the tiling thresholds (1024, 4096).
+SHAPES = [
+    (1, 32, 32),
+    (7, 20, 32),
+    (64, 32, 64),
+    (257, 48, 64),
+    (1031, 64, 64),
+    (4099, 32, 32),
+]
 
 
 @pytest.mark.gpu
@@ -293,6 +307,45 @@ def test_gpu_mxfp4_matches_reference(num_tokens, num_heads, padded, strided) -> 
     assert torch.equal(weights, ref[2])
     assert torch.all(packed[:, num_heads:] == 0)
     assert torch.all(weights[:, num_heads:] == 0)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_unaligned_and_other_dtypes_match_reference(dtype) -> None:
+    """An odd row stride (no bf16-pair view) and non-bf16 inputs."""
+    torch.manual_seed(3)
+    row = torch.randn(37, 1 + 20 * HEAD_DIM + 20 + 2, device="cuda").to(dtype)
+    q = row[:, 1 : 1 + 20 * HEAD_DIM].view(37, 20, HEAD_DIM)
+    w = row[:, 1 + 20 * HEAD_DIM : 1 + 20 * HEAD_DIM + 20]
+    a = indexer_q_quant_fold_weights(q, w, WEIGHT_SCALE, 32)
+    b = indexer_q_quant_fold_weights_ref(q, w, WEIGHT_SCALE, 32)
+    assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+    assert torch.equal(a[1], b[1])
+    a = mxfp4_q_quant(q, w, WEIGHT_SCALE, 32)
+    b = mxfp4_q_quant_ref(q, w, WEIGHT_SCALE, 32)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("block_h", [8, 16, 32])
+def test_gpu_every_tiling_matches_reference(block_h, monkeypatch) -> None:
+    """The heads-per-program choice (picked by token count) never changes
+    the bytes."""
+    from vllm.models.kimi_k3.nvidia.ops import indexer_q_quant as mod
+
+    monkeypatch.setattr(mod, "_BLOCK_H", block_h)
+    torch.manual_seed(block_h)
+    q, w = gemm_views(33, 20, "cuda", strided=True)
+    for padded in (32, 64):
+        a = indexer_q_quant_fold_weights(q, w, WEIGHT_SCALE, padded)
+        b = indexer_q_quant_fold_weights_ref(q, w, WEIGHT_SCALE, padded)
+        assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+        assert torch.equal(a[1], b[1])
+        a = mxfp4_q_quant(q, w, WEIGHT_SCALE, padded)
+        b = mxfp4_q_quant_ref(q, w, WEIGHT_SCALE, padded)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.gpu

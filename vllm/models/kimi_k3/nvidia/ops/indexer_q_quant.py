@@ -248,22 +248,39 @@ if HAS_TRITON:
         MX_BLOCK: tl.constexpr,
         AMAX_FLOOR: tl.constexpr,
         INV_E2M1_MAX: tl.constexpr,
+        BF16_PAIRS: tl.constexpr,
     ):
+        """``BF16_PAIRS``: ``q_ptr`` is the bf16 query viewed as int32 (strides
+        in int32 units), each word one (even, odd) element pair, so the pair
+        split is two bit operations instead of a register shuffle."""
         NUM_BLOCKS: tl.constexpr = HEAD_DIM // MX_BLOCK
         HALF: tl.constexpr = MX_BLOCK // 2
         tok = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        dims = tl.arange(0, HEAD_DIM)
         h_in = heads < num_heads
-        x = tl.load(
-            q_ptr + tok * q_s0 + heads[:, None] * q_s1 + dims[None, :] * q_s2,
-            mask=h_in[:, None],
-            other=0.0,
-        ).to(tl.float32)
+        blocks = tl.arange(0, NUM_BLOCKS)
+        pairs = tl.arange(0, HALF)
         w = tl.load(w_ptr + tok * w_s0 + heads * w_s1, mask=h_in, other=0.0)
 
-        # [BLOCK_H, NUM_BLOCKS, HALF] even (lo) and odd (hi) elements.
-        lo, hi = tl.split(tl.reshape(x, (BLOCK_H, NUM_BLOCKS, HALF, 2)))
+        # lo / hi: [BLOCK_H, NUM_BLOCKS, HALF] even / odd elements.
+        if BF16_PAIRS:
+            word = tl.load(
+                q_ptr
+                + tok * q_s0
+                + heads[:, None, None] * q_s1
+                + (blocks[None, :, None] * HALF + pairs[None, None, :]) * q_s2,
+                mask=h_in[:, None, None],
+                other=0,
+            )
+            lo = (word << 16).to(tl.float32, bitcast=True)
+            hi = (word & -65536).to(tl.float32, bitcast=True)
+        else:
+            even = q_ptr + tok * q_s0 + heads[:, None, None] * q_s1
+            even += (blocks[None, :, None] * MX_BLOCK + 2 * pairs[None, None, :]) * q_s2
+            lo = tl.load(even, mask=h_in[:, None, None], other=0.0).to(tl.float32)
+            hi = tl.load(even + q_s2, mask=h_in[:, None, None], other=0.0)
+            hi = hi.to(tl.float32)
+
         amax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
         amax = tl.maximum(amax, AMAX_FLOOR)
         e = _ceil_log2_fp32(amax * INV_E2M1_MAX)
@@ -272,8 +289,6 @@ if HAS_TRITON:
         packed = _e2m1_nibble(lo * inv) | (_e2m1_nibble(hi * inv) << 4)
 
         h_out = heads < PADDED_HEADS
-        blocks = tl.arange(0, NUM_BLOCKS)
-        pairs = tl.arange(0, HALF)
         q_off = (
             tok * (PADDED_HEADS * HEAD_DIM // 2)
             + heads[:, None, None] * (HEAD_DIM // 2)
@@ -294,8 +309,32 @@ if HAS_TRITON:
         )
 
 
-_BLOCK_H = 8
+# Heads per program. None: by token count (H200, issue 7 benchmark: 8 heads
+# keep small batches spread over the SMs; 32 heads, one token per program,
+# reach 0.99 of copy bandwidth at 64K tokens). An int overrides (tuning).
+_BLOCK_H: int | None = None
 _NUM_WARPS = 4
+
+
+def _block_h(num_tokens: int, padded_heads: int) -> int:
+    if _BLOCK_H is not None:
+        return min(_BLOCK_H, padded_heads)
+    if num_tokens <= 1024:
+        return 8
+    if num_tokens <= 4096:
+        return 16
+    return 32
+
+
+def _as_bf16_pairs(index_q: torch.Tensor) -> torch.Tensor | None:
+    """``index_q`` as int32 words of (even, odd) bf16 pairs, or None when its
+    layout does not allow that view."""
+    if index_q.dtype != torch.bfloat16 or index_q.stride(2) != 1:
+        return None
+    try:
+        return index_q.view(torch.int32)
+    except RuntimeError:
+        return None
 
 
 def indexer_q_quant_fold_weights(
@@ -339,7 +378,8 @@ def _indexer_q_quant_fold_weights_triton(
     )
     if num_tokens == 0:
         return q_fp8, weights
-    grid = (num_tokens, padded_heads // _BLOCK_H)
+    block_h = _block_h(num_tokens, padded_heads)
+    grid = (num_tokens, padded_heads // block_h)
     _q_fp8_fold_weights_kernel[grid](
         index_q,
         *index_q.stride(),
@@ -351,7 +391,7 @@ def _indexer_q_quant_fold_weights_triton(
         num_heads,
         PADDED_HEADS=padded_heads,
         HEAD_DIM=head_dim,
-        BLOCK_H=_BLOCK_H,
+        BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(head_dim),
         AMAX_FLOOR=FP8_AMAX_FLOOR,
         FP8_MAX=FP8_E4M3_MAX,
@@ -400,10 +440,13 @@ def _mxfp4_q_quant_triton(
     )
     if num_tokens == 0:
         return q_packed, q_scale, weights
-    grid = (num_tokens, padded_heads // _BLOCK_H)
+    block_h = _block_h(num_tokens, padded_heads)
+    grid = (num_tokens, padded_heads // block_h)
+    pairs = _as_bf16_pairs(index_q)
+    q_arg = index_q if pairs is None else pairs
     _q_mxfp4_kernel[grid](
-        index_q,
-        *index_q.stride(),
+        q_arg,
+        *q_arg.stride(),
         index_weights,
         *index_weights.stride(),
         q_packed,
@@ -413,10 +456,11 @@ def _mxfp4_q_quant_triton(
         num_heads,
         PADDED_HEADS=padded_heads,
         HEAD_DIM=head_dim,
-        BLOCK_H=_BLOCK_H,
+        BLOCK_H=block_h,
         MX_BLOCK=MXFP4_BLOCK_SIZE,
         AMAX_FLOOR=MXFP4_AMAX_FLOOR,
         INV_E2M1_MAX=1.0 / E2M1_MAX,
+        BF16_PAIRS=pairs is not None,
         num_warps=_NUM_WARPS,
     )
     return q_packed, q_scale, weights
