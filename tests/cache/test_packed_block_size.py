@@ -353,3 +353,62 @@ def test_block_size_seam_leaves_other_models_alone(vllm_config_for):
     block = cfg.cache_config.block_size
     assert dsa_cache.apply_packed_dsa_block_size(cfg, [64]) is None
     assert cfg.cache_config.block_size == block
+
+
+def _seam_with_backends(cfg, monkeypatch, backends):
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+
+    # Stub: the MLA layer needs the CUDA backend selection to be built, so the
+    # worker's backend list is given directly.
+    monkeypatch.setattr(
+        type(current_platform), "_find_non_ssm_backends", classmethod(
+            lambda cls, vllm_config: list(backends)
+        ),
+    )  # fmt: skip
+    with set_current_vllm_config(cfg):
+        current_platform.update_block_size_for_backend(cfg)
+
+
+def test_seam_accepts_flashmla_sparse_multiple_of_64(vllm_config_for, monkeypatch):
+    """Off SM10x FlashMLA sparse takes any multiple of 64: no split of the
+    MLA cache is needed, the packed block stands."""
+    from vllm.models.kimi_k3.common.dsa_cache import KimiK3IndexerBackend
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+
+    cfg = vllm_config_for()
+    cache_config = cfg.cache_config
+    saved = (cache_config.block_size, cache_config.mamba_page_size_padded)
+    try:
+        _seam_with_backends(
+            cfg, monkeypatch, [FlashMLASparseBackend, KimiK3IndexerBackend]
+        )
+        assert cache_config.block_size == 2048
+    finally:
+        cache_config.block_size, cache_config.mamba_page_size_padded = saved
+
+
+def test_seam_refuses_a_split_of_the_mla_cache(vllm_config_for, monkeypatch):
+    """On SM10x FlashMLA sparse reads quantized MLA pages of exactly 64 tokens;
+    the MLA cache is written through manager slots, so the packed row cannot
+    be split for it: refused before the KV cache is allocated."""
+    from vllm.models.kimi_k3.common.dsa_cache import KimiK3IndexerBackend
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+
+    # Stub: this CPU answers "SM10x".
+    monkeypatch.setattr(
+        current_platform,
+        "is_device_capability_family",
+        lambda family, device_id=0: family == 100,
+    )
+    cfg = vllm_config_for()
+    cache_config = cfg.cache_config
+    saved = (cache_config.block_size, cache_config.mamba_page_size_padded)
+    try:
+        with pytest.raises(NotImplementedError, match="FLASHMLA_SPARSE.*64-token"):
+            _seam_with_backends(
+                cfg, monkeypatch, [FlashMLASparseBackend, KimiK3IndexerBackend]
+            )
+    finally:
+        cache_config.block_size, cache_config.mamba_page_size_padded = saved

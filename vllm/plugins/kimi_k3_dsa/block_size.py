@@ -15,9 +15,16 @@ indexer pages (plus a draft's) and, in the state groups, several KDA states at
 their own size. :func:`~vllm.models.kimi_k3.common.dsa_cache.packed_dsa_block_size`
 sizes that row, TP-divisibly.
 
+It also refuses, before the KV cache is allocated, a backend that would have
+to split the packed row of a token cache written through manager slots
+(FlashMLA sparse on SM10x reads ``fp8_ds_mla`` in 64-token pages only):
+0.33.0 would fail later, when the cache is bound, with advice that cannot
+apply to Kimi K3.1.
+
 In-tree edit: at the top of ``_align_hybrid_block_size``, ``if
 apply_packed_dsa_block_size(vllm_config, kernel_alignments, checkpoint) is not
-None: return`` (every other model keeps 0.33.0's rule).
+None: check_token_cache_splits(...); return`` (every other model keeps
+0.33.0's rule).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.models.kimi_k3.common.dsa_cache import (
     apply_packed_dsa_block_size,
     backend_kernel_block_alignments,
+    check_token_cache_splits,
     is_kda_hybrid_dsa,
 )
 
@@ -47,15 +55,15 @@ def _packed_align_hybrid_block_size(
     )
 
     with set_current_vllm_config(vllm_config):
-        alignments = backend_kernel_block_alignments(
-            cls._find_non_ssm_backends(vllm_config) or [backend_cls]
-        )
+        backends = cls._find_non_ssm_backends(vllm_config) or [backend_cls]
+        alignments = backend_kernel_block_alignments(backends)
         checkpoint = (
             get_mamba_prefill_checkpoint_alignment(vllm_config)
             if vllm_config.cache_config.mamba_cache_mode == "align"
             else None
         )
-    apply_packed_dsa_block_size(vllm_config, alignments, checkpoint)
+        block_size = apply_packed_dsa_block_size(vllm_config, alignments, checkpoint)
+        check_token_cache_splits(vllm_config, backends, block_size)
     return None
 
 

@@ -421,6 +421,50 @@ def target_mla_bytes_per_token(vllm_config: VllmConfig) -> int:
     )
 
 
+def check_token_cache_splits(
+    vllm_config: VllmConfig, backends: list[Any], block_size: int
+) -> None:
+    """Refuse, before the KV cache is allocated, a packed block that a backend
+    other than ours would have to split into kernel pages.
+
+    Only the Kimi K3.1 indexer writes its token cache through slots derived
+    from the kernel block table; any other token cache (e.g. the
+    ``fp8_ds_mla`` MLA cache, which FlashMLA sparse reads in 64-token pages
+    only on SM10x) is written through manager-block slots, so 0.33.0's runner
+    would refuse the split when the cache is bound, with advice (a smaller
+    ``--block-size``, a layer-compact layout) that cannot apply to Kimi K3.1.
+    """
+    from vllm.v1.attention.backend import MultipleOf
+
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    text_config = vllm_config.model_config.hf_text_config
+    mla_spec = MLAAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=text_config.kv_lora_rank + (text_config.qk_rope_head_dim or 0),
+        dtype=torch.uint8,
+        cache_dtype_str=cache_dtype,
+        kv_quant_mode=get_kv_quant_mode(cache_dtype),
+        state_content_bytes=target_mla_bytes_per_token(vllm_config),
+    )
+    for backend in backends:
+        if is_kimi_k3_dsa_backend(backend) or not backend.is_mla():
+            continue
+        sizes = backend.get_supported_kernel_block_sizes(mla_spec)
+        if any(isinstance(size, MultipleOf) for size in sizes) or block_size in sizes:
+            continue
+        raise NotImplementedError(
+            f"Kimi-K3.1 packed DSA caches: the {backend.get_name()} attention "
+            f"backend reads the {cache_dtype} MLA cache in "
+            f"{'/'.join(map(str, sizes))}-token kernel pages only on this GPU, "
+            f"but a packed block row is {block_size} "
+            "tokens (it must hold the KDA states), and the MLA cache is written "
+            "through manager-block slots, which cannot address split pages. "
+            "This layout is not supported yet (FlashMLA sparse on SM10x); use an "
+            "SM90 GPU."
+        )
+
+
 def apply_packed_dsa_block_size(
     vllm_config: VllmConfig,
     kernel_block_sizes: list[int],
