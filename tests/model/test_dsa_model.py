@@ -539,7 +539,7 @@ def test_indexer_split_over_load_calls_accepted(dsa_layer_env, tmp_path: Path) -
     "extra",
     [
         f"model.layers.{DSA_LAYERS[0]}.self_attn.indexer.wq_a.weight",
-        f"model.layers.{DSA_LAYERS[0]}.self_attn.indexer.wk.weight_scale_inv",
+        f"model.layers.{DSA_LAYERS[0]}.self_attn.indexer.k_norm.running_mean",
         f"model.layers.{KDA_LAYERS[1]}.self_attn.indexer.wk.weight",
     ],
 )
@@ -718,11 +718,67 @@ def test_fp8_block_quantized_wq_b_loads_with_its_scale(dsa_layer_env) -> None:
     router.load(p + "indexer.k_norm.weight", norm)
     with pytest.raises(ValueError, match=r"indexer\.wq_b\.weight_scale_inv"):
         router.check_complete()
-    # A scale for a bf16 wq_b is unexpected.
+
+
+@pytest.mark.parametrize("scale_first", [False, True])
+def test_fp8_wq_b_and_wk_into_bf16_parameters_are_dequantized(
+    dsa_layer_env, scale_first: bool
+) -> None:
+    """A checkpoint with fp8 ``wq_b`` / ``wk`` (and their block scales) served
+    by a model that keeps them in bf16 (``wk`` always shares a bf16 GEMM with
+    ``weights_proj``): dequantized on load, in either arrival order."""
+    from vllm.models.kimi_k3.nvidia.dsa_model import DSAWeightRouter
+
     root, attn = _fake_root(fp8=False)
+    p = "layers.0.self_attn."
     router = DSAWeightRouter(dict(root.named_parameters()), {p: (p, attn)})
-    with pytest.raises(ValueError, match="unexpected indexer tensor"):
-        router.load(p + "indexer.wq_b.weight_scale_inv", scale)
+    wq = (torch.randn(512, 256) * 0.3).to(torch.float8_e4m3fn)
+    wq_scale = torch.rand(4, 2) + 0.5
+    # wk: 128 x 256 with a [1, 2] block scale; weights_proj stays bf16.
+    wk = (torch.randn(128, 256) * 0.3).to(torch.float8_e4m3fn)
+    wk_scale = torch.rand(1, 2) + 0.5
+    pairs = [
+        [
+            (p + "indexer.wq_b.weight", wq),
+            (p + "indexer.wq_b.weight_scale_inv", wq_scale),
+        ],
+        [(p + "indexer.wk.weight", wk), (p + "indexer.wk.weight_scale_inv", wk_scale)],
+    ]
+    for pair in pairs:
+        for name, tensor in reversed(pair) if scale_first else pair:
+            assert router.load(name, tensor) is not None
+    wproj = torch.randn(4, 256)
+    router.load(p + "indexer.weights_proj.weight", wproj)
+    router.load(p + "indexer.k_norm.weight", torch.rand(128))
+    router.check_complete()
+
+    def reference(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        return (w.float() * full[: w.shape[0], : w.shape[1]]).to(torch.bfloat16)
+
+    assert torch.equal(attn.dsa_indexer.wq_index.weight.data, reference(wq, wq_scale))
+    wkv = attn.dsa_indexer.wkv_index.weight.data
+    assert torch.equal(wkv[:128], reference(wk, wk_scale))
+    assert torch.equal(wkv[128:], wproj.to(wkv.dtype))
+
+
+@pytest.mark.parametrize("half", ["weight", "weight_scale_inv"])
+def test_half_an_fp8_indexer_tensor_refused(dsa_layer_env, half: str) -> None:
+    """An fp8 weight without its scale, or a scale beside a bf16 weight."""
+    from vllm.models.kimi_k3.nvidia.dsa_model import DSAWeightRouter
+
+    root, attn = _fake_root(fp8=False)
+    p = "layers.0.self_attn."
+    router = DSAWeightRouter(dict(root.named_parameters()), {p: (p, attn)})
+    if half == "weight":
+        router.load(
+            p + "indexer.wk.weight", torch.zeros(128, 256).to(torch.float8_e4m3fn)
+        )
+    else:
+        router.load(p + "indexer.wk.weight", torch.zeros(128, 256))
+        router.load(p + "indexer.wk.weight_scale_inv", torch.ones(1, 2))
+    with pytest.raises(ValueError, match=rf"indexer\.wk\.{half}'.*other half"):
+        router.check_complete()
 
 
 def test_partial_reload_of_other_layers_is_not_refused(dsa_layer_env) -> None:

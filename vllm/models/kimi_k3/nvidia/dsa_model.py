@@ -26,6 +26,10 @@ checkpoint tensor                               parameter (shard)
 ``g_proj.*``                                    ``g_proj.*`` (its own linear)
 ==============================================  ===================================
 
+An fp8 ``wq_b`` or ``wk`` with its ``weight_scale_inv`` bound for a bf16
+parameter is dequantized on load (``wk`` always shares a bf16 GEMM with
+``weights_proj``), as DeepSeek V3.2's loader does for ``wk``.
+
 0.33.0's loaders map ``q_a_proj``/``kv_a_proj_with_mqa``/``g_proj`` only into the
 dense layer's ``fused_qkv_a_g_proj`` when the output gate is on, which a DSA
 layer does not have, and know no indexer names at all.
@@ -68,6 +72,13 @@ FUSED_QKV_A_CHECKPOINT_NAMES: dict[str, int] = {
 }
 CHECKPOINT_INDEXER = "indexer"
 MODULE_INDEXER = "dsa_indexer"
+# Indexer projections a checkpoint may store in fp8 with a block scale while
+# the model keeps them in bf16 (wk always: it shares a GEMM with the bf16
+# weights_proj; wq_b when the model's quantization leaves it unquantized):
+# the loader dequantizes them, as DeepSeek V3.2's loader does for wk.
+UPCAST_INDEXER_PROJECTIONS = ("wq_b", "wk")
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
+FP8_BLOCK = 128
 
 WeightItem = tuple[str, torch.Tensor] | tuple[str, torch.Tensor, dict[str, Any]]
 
@@ -289,6 +300,11 @@ class DSALayerLoadState:
     expected: frozenset[str]
     seen: set[str] = field(default_factory=set)
     touched: bool = False
+    # fp8 projection -> {"weight" | "scale": (checkpoint name, tensor)} until
+    # both halves of an fp8 tensor bound for a bf16 parameter arrived.
+    pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = field(
+        default_factory=dict
+    )
 
     def missing(self) -> list[str]:
         return sorted(
@@ -388,17 +404,48 @@ class DSAWeightRouter:
                 return target, shard
         return None
 
-    def load(self, name: str, loaded_weight: torch.Tensor) -> str | None:
-        """Load ``name`` if it is ours; returns the parameter name, or None to
-        leave the tensor to 0.33.0's loader."""
+    def _maybe_upcast(self, name: str, loaded_weight: torch.Tensor) -> str | None:
+        """An fp8 ``wq_b`` / ``wk`` (weight or scale) bound for a bf16
+        parameter: buffered until its other half arrives, then dequantized and
+        loaded. Returns the parameter name, or None when not this case."""
+        ckpt = self._layer_of(name)
+        if ckpt is None:
+            return None
+        rest = name[len(ckpt) :]
+        if not rest.startswith(CHECKPOINT_INDEXER + "."):
+            return None
+        sub, _, suffix = rest[len(CHECKPOINT_INDEXER) + 1 :].partition(".")
+        if sub not in UPCAST_INDEXER_PROJECTIONS:
+            return None
+        param_prefix, _ = self.layers[ckpt]
+        module_name, shard = INDEXER_CHECKPOINT_NAMES[sub]
+        target = f"{param_prefix}{MODULE_INDEXER}.{module_name}.weight"
+        param = self.params_dict.get(target)
+        if param is None or param.dtype in _FP8_DTYPES:
+            return None  # a natively fp8 parameter takes weight and scale
+        is_fp8_weight = suffix == "weight" and loaded_weight.dtype in _FP8_DTYPES
+        if not (is_fp8_weight or suffix in SCALE_SUFFIXES):
+            return None
+        state = self.states[ckpt]
+        state.touched = True
+        entry = state.pending.setdefault(sub, {})
+        entry["weight" if is_fp8_weight else "scale"] = (name, loaded_weight)
+        if "weight" in entry and "scale" in entry:
+            del state.pending[sub]
+            value = dequantize_fp8_block(
+                entry["weight"][1], entry["scale"][1], param.dtype
+            )
+            self._load_into(target, value, shard)
+            state.seen.add(f"{sub}.weight")
+        return target
+
+    def _load_into(
+        self, target: str, loaded_weight: torch.Tensor, shard: int | None
+    ) -> None:
         from vllm.model_executor.model_loader.weight_utils import (
             default_weight_loader,
         )
 
-        routed = self.route(name)
-        if routed is None:
-            return None
-        target, shard = routed
         param = self.params_dict[target]
         weight_loader: Callable[..., Any] = getattr(
             param, "weight_loader", default_weight_loader
@@ -407,6 +454,18 @@ class DSAWeightRouter:
             weight_loader(param, loaded_weight)
         else:
             weight_loader(param, loaded_weight, shard)
+
+    def load(self, name: str, loaded_weight: torch.Tensor) -> str | None:
+        """Load ``name`` if it is ours; returns the parameter name, or None to
+        leave the tensor to 0.33.0's loader."""
+        upcast = self._maybe_upcast(name, loaded_weight)
+        if upcast is not None:
+            return upcast
+        routed = self.route(name)
+        if routed is None:
+            return None
+        target, shard = routed
+        self._load_into(target, loaded_weight, shard)
         return target
 
     def check_complete(self) -> None:
@@ -418,6 +477,14 @@ def _raise_incomplete(states: Iterable[DSALayerLoadState]) -> None:
     for state in states:
         if not state.touched:
             continue
+        for sub, entry in sorted(state.pending.items()):
+            have = sorted(name for name, _ in entry.values())
+            raise ValueError(
+                f"Kimi K3.1 DSA layer '{state.label}': the checkpoint has "
+                f"{have} but not the other half of the fp8 indexer.{sub} (an "
+                "fp8 weight needs its weight_scale_inv and a scale needs an fp8 "
+                "weight)"
+            )
         missing = state.missing()
         if missing:
             raise ValueError(
@@ -440,6 +507,37 @@ def check_dsa_indexers_complete(model: nn.Module) -> None:
         getattr(attn, _LOAD_STATE_ATTR, None) for _, attn in dsa_attention_layers(model)
     ]
     _raise_incomplete(s for s in states if s is not None)
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _fp8_block(size: int, num_scales: int) -> int:
+    if num_scales == -(-size // FP8_BLOCK):
+        return FP8_BLOCK
+    if size % num_scales == 0:
+        return size // num_scales
+    raise ValueError(
+        f"cannot infer the fp8 block size of {size} values with {num_scales} scales"
+    )
+
+
+def dequantize_fp8_block(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """An fp8 ``[out, in]`` weight times its scale: block ``[out/b, in/b]``
+    (128x128, the last block possibly partial), per-channel ``[out]`` or
+    ``[out, 1]``; E8M0 scales (MXFP8 checkpoints) are decoded first."""
+    if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        scale = scale.view(torch.float8_e8m0fnu).to(torch.float32)
+    scale = scale.to(torch.float32)
+    if scale.ndim == 1:
+        scale = scale[:, None]
+    out_rows, in_cols = weight.shape
+    rows = _fp8_block(out_rows, scale.shape[0])
+    cols = _fp8_block(in_cols, scale.shape[1])
+    full = scale.repeat_interleave(rows, 0)[:out_rows].repeat_interleave(cols, 1)
+    return (weight.to(torch.float32) * full[:, :in_cols]).to(dtype)
 
 
 def _weights_with_router(
