@@ -12,7 +12,8 @@ Why: 0.33.0 knows no indexer names, and with the output gate on it maps
 the MTP loader would silently drop the indexer. The wrapped loaders place
 ``self_attn.indexer.{wq_b, wk, weights_proj, k_norm}`` into
 ``self_attn.dsa_indexer.{wq_index, wkv_index (shards 0, 1), k_index_norm}``
-(fp8 ``wq_b`` scales included) and stack ``q_a_proj`` / ``kv_a_proj_with_mqa``
+(fp8 ``wq_b`` scales included; an fp8 ``wq_b`` / ``wk`` bound for a bf16
+parameter is dequantized) and stack ``q_a_proj`` / ``kv_a_proj_with_mqa``
 into ``fused_qkv_a_proj``; every other tensor goes through 0.33.0's loader
 unchanged, ``g_proj`` included. An unexpected indexer tensor raises at once,
 naming the layer and the tensor; what each DSA layer received is recorded on
