@@ -764,26 +764,21 @@ class KimiK3DSAIndexer(nn.Module):
         self.dense_mha_metadata_layer_name = ""
         self.topk_backend = vllm_config.kernel_config.sparse_indexer_topk_backend
         # The fused insert normalizes and quantizes the key itself; PCP needs
-        # the op to gather the unquantized key instead.
+        # the op to gather the unquantized key instead. The seed's selection,
+        # plus our extension: without vllm._kimi_k3_C the key is normed here
+        # and 0.33.0's op inserts it (fp8 only), as DESIGN's wrapper path says.
         self.use_fused_k_insert = (
             not self.use_pcp
             and index_k_norm_type == "layernorm"
             and index_rope_dim == 0
+            and _extension_loaded()
         )
         if self.use_fp4_cache and not self.use_fused_k_insert:
-            raise NotImplementedError("MXFP4 indexer keys need the fused key insert")
-        if (
-            self.use_fused_k_insert
-            and current_platform.is_cuda()
-            and not _extension_loaded()
-        ):
-            # 0.33.0's op has no insert for a LayerNorm-ed key it did not
-            # norm itself, so the fused insert is our kernel's job.
-            logger.warning_once(
-                "Kimi K3.1 DSA: the fused indexer key insert needs "
-                "vllm._kimi_k3_C, which is not built or does not load; "
-                "serving will fail at the first batch. Reinstall the package "
-                "with torch and a CUDA toolkit (nvcc) present."
+            raise NotImplementedError(
+                "MXFP4 indexer keys need the fused key insert "
+                "(index_k_norm_type='layernorm', index_rope_dim=0, no prefill "
+                "context parallelism, and the vllm._kimi_k3_C extension built); "
+                "use indexer_kv_dtype='fp8' otherwise."
             )
         # DCP, as 0.33.0's SparseAttnIndexer: the op merges each rank's local
         # top-k into the global one (_merge_dcp_topk_global).
