@@ -58,9 +58,6 @@ FP8_INDEXER_SCALE_BYTES = 4
 FP8_DS_MLA_TILE = 128
 FP8_DS_MLA_SCALE_BYTES = 4
 FP8_DS_MLA_ROPE_DTYPE_BYTES = 2
-# Kernel page of the indexer and FlashMLA sparse caches on CUDA.
-DSA_KERNEL_BLOCK_SIZE = 64
-
 # Reference TP of the packed block size (see ``packed_dsa_block_size``).
 #
 # A KDA state shards with TP (its heads are split), a DSA row does not (the
@@ -71,9 +68,9 @@ DSA_KERNEL_BLOCK_SIZE = 64
 # rounded once at this reference TP, where the unsharded state is split 16
 # ways, and scaled by ``_PD_REFERENCE_TP / tp``: the block of TP t is then
 # ``units * alignment * 16 / t`` with ``units`` the same for every t dividing
-# 16, so block sizes of TP 1, 2, 4, 8 and 16 divide one another. 16 is the
-# largest TP Kimi K3.1 is served at (96 attention and KDA heads, 2 nodes of 8
-# GPUs); a larger TP is handled through ``lcm(_PD_REFERENCE_TP, tp)``.
+# 16, so block sizes of TP 1, 2, 4, 8 and 16 (one or two 8-GPU nodes; 16
+# divides Kimi K3.1's 96 attention and KDA heads) divide one another. A TP
+# that does not divide 16 is rounded at ``lcm(_PD_REFERENCE_TP, tp)``.
 _PD_REFERENCE_TP = 16
 
 # Dense MLA drafts whose full-attention MLA specs group with the target's
