@@ -66,8 +66,10 @@ def _extension_modules() -> list:
             sources=sources,
             include_dirs=[str(ROOT / "csrc")],
             extra_compile_args={
-                "cxx": ["-O3", "-std=c++20"],
-                "nvcc": ["-O3", "-std=c++20", "-lineinfo", "--expt-relaxed-constexpr"],
+                # No -std: torch's BuildExtension adds the standard its headers
+                # need (C++17 up to torch 2.11, C++20 for newer releases).
+                "cxx": ["-O3"],
+                "nvcc": ["-O3", "-lineinfo", "--expt-relaxed-constexpr"],
             },
         )
     ]

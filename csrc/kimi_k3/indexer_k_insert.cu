@@ -18,6 +18,9 @@ namespace {
 
 constexpr int kInsertThreads = 256;
 constexpr int kTokensPerBlock = kInsertThreads / 16;
+// The top-k rows of a block's tokens (8 KiB each) are split over this many
+// blocks (blockIdx.y), so that small batches still spread the fill over SMs.
+constexpr int kFillSplit = 4;
 
 template <bool kFp4, typename SlotT>
 __global__ void __launch_bounds__(kInsertThreads)
@@ -38,14 +41,19 @@ __global__ void __launch_bounds__(kInsertThreads)
   const int64_t slot = checked_slot(slots, n_slots, tok, cache_slots);
   // Whole warps leave together (no shuffle partner is lost).
   const int64_t warp_tok0 = tok0 + 2 * (tid >> 5);
-  if (warp_tok0 < n_slots) {
+  if (blockIdx.y == 0 && warp_tok0 < n_slots) {
     index_key_insert<kFp4>(index_k + tok * k_stride, tok < num_rows, weight,
                            bias, eps, slot, true, cache, block_stride,
                            block_size, mx_scales, l16);
   }
   if (tok0 < n_fill) {
     const int64_t row1 = min(tok0 + kTokensPerBlock, n_fill);
-    fill_topk(topk, topk_stride, tok0, row1, 0, topk_width, topk_vec, tid,
+    // Column range of this split, in multiples of 4 (16-byte stores).
+    const int quads = (topk_width + 3) / 4;
+    const int part = static_cast<int>(blockIdx.y);
+    const int begin = min(topk_width, 4 * (quads * part / kFillSplit));
+    const int end = min(topk_width, 4 * (quads * (part + 1) / kFillSplit));
+    fill_topk(topk, topk_stride, tok0, row1, begin, end, topk_vec, tid,
               kInsertThreads);
   }
 }
@@ -72,7 +80,8 @@ void indexer_k_insert(const at::Tensor& index_k,
   const c10::cuda::CUDAGuard guard(index_k.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>((n_work + kTokensPerBlock - 1) /
-                                        kTokensPerBlock));
+                                        kTokensPerBlock),
+                  kFillSplit);
   const int block_size = static_cast<int>(kv_cache.size(1));
   const int64_t cache_slots = kv_cache.size(0) * kv_cache.size(1);
   const bool topk_vec = topk_vectorizable(topk);

@@ -206,7 +206,66 @@ def test_out_of_range_slots_raise_or_are_skipped():
     compare_index_values(caches, ref, 2)
 
 
-def test_bad_inputs_raise():
+def _bad_insert_call(case: str) -> None:
+    t = 4
+    _, _, _, index_k = gemm_slices(t)
+    _, _, kw, kb = norm_weights()
+    caches = PackedCaches(1, False)
+    topk = _topk(t)
+    slots = torch.arange(t, device="cuda")
+    a = dict(
+        index_k=index_k,
+        weight=kw,
+        bias=kb,
+        eps=EPS,
+        slot_mapping=slots,
+        kv_cache=caches.index,
+        topk_indices_buffer=topk,
+        num_tokens=t,
+    )
+    a.update(
+        {
+            "dtype": dict(index_k=index_k.half()),
+            "device": dict(index_k=index_k.cpu()),
+            "head dim": dict(index_k=index_k[:, :64]),
+            "weight dtype": dict(weight=kw.bfloat16()),
+            "cache entry": dict(
+                kv_cache=caches.buf[:, : BLOCK * 68].view(1, BLOCK, 68)
+            ),
+            "cache dtype": dict(kv_cache=caches.index.view(torch.int8)),
+            "slot dtype": dict(slot_mapping=slots.float()),
+            "too many slots": dict(slot_mapping=torch.arange(t + 1, device="cuda")),
+            "topk rows": dict(num_tokens=t + 9),
+            "topk dtype": dict(topk_indices_buffer=topk.long()),
+        }[case]
+    )
+    before = caches.buf.clone()
+    with pytest.raises(RuntimeError):
+        indexer_k_norm_quant_insert(**a)
+    torch.cuda.synchronize()
+    assert torch.equal(caches.buf, before) and (topk == 7).all()
+
+
+BAD_INSERT_CASES = [
+    "dtype",
+    "device",
+    "head dim",
+    "weight dtype",
+    "cache entry",
+    "cache dtype",
+    "slot dtype",
+    "too many slots",
+    "topk rows",
+    "topk dtype",
+]
+
+
+@pytest.mark.parametrize("case", BAD_INSERT_CASES)
+def test_bad_insert_inputs_raise(case: str):
+    _bad_insert_call(case)
+
+
+def test_bad_prologue_inputs_raise():
     t = 4
     q_c, kv_c, k_pe, index_k = gemm_slices(t)
     qw, kvw, kw, kb = norm_weights()
@@ -214,37 +273,6 @@ def test_bad_inputs_raise():
     before = caches.buf.clone()
     topk = _topk(t)
     slots = torch.arange(t, device="cuda")
-
-    def insert(**kw_over):
-        a = dict(
-            index_k=index_k,
-            weight=kw,
-            bias=kb,
-            eps=EPS,
-            slot_mapping=slots,
-            kv_cache=caches.index,
-            topk_indices_buffer=topk,
-            num_tokens=t,
-        )
-        a.update(kw_over)
-        indexer_k_norm_quant_insert(**a)
-
-    cases = {
-        "dtype": dict(index_k=index_k.half()),
-        "device": dict(index_k=index_k.cpu()),
-        "head dim": dict(index_k=index_k[:, :64]),
-        "weight dtype": dict(weight=kw.bfloat16()),
-        "cache entry": dict(kv_cache=caches.buf[:, : BLOCK * 68].view(1, BLOCK, 68)),
-        "cache dtype": dict(kv_cache=caches.index.view(torch.int8)),
-        "slot dtype": dict(slot_mapping=slots.float()),
-        "too many slots": dict(slot_mapping=torch.arange(t + 1, device="cuda")),
-        "topk rows": dict(num_tokens=t + 9),
-        "topk dtype": dict(topk_indices_buffer=topk.long()),
-    }
-    for name, over in cases.items():
-        with pytest.raises(RuntimeError):
-            insert(**over)
-            pytest.fail(f"{name} did not raise")
     args = (q_c, kv_c, k_pe, index_k, qw, kvw, kw, kb, EPS, topk)
     with pytest.raises(RuntimeError, match="656"):
         dsa_fused_prologue(*args, caches.index, slots, caches.index, slots)
