@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Kimi K3.1's caches through vLLM 0.33.0's real planner and allocator (on the
+CPU), at the packed DSA block size: the plan command counts the planner's
+blocks, and the runner's kernel-page split of our indexer cache addresses
+exactly that cache's rows inside the shared allocation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.models.kimi_k3.common.dsa_cache import (
+    KimiK3IndexerBackend,
+    kda_state_bytes,
+    packed_block_size_from_bytes,
+)
+from vllm.models.kimi_k3.common.dsa_kv_plan import main
+
+TP = 8
+FULL_ATTN = [*range(3, 92, 4), 92]  # 0-indexed layers 4, 8, ..., 92, 93
+
+
+def kimi_k3_1_specs(block: int) -> dict:
+    """The per-layer specs a TP 8 worker of Kimi K3.1 reports, with the
+    block_stride_alignment the runner's customize_attention_spec adds for
+    64-token kernel pages."""
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateShapeCalculator,
+    )
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.kv_cache_interface import (
+        MambaSpec,
+        MLAAttentionSpec,
+        SparseCacheRole,
+    )
+
+    specs = {}
+    for layer in range(93):
+        if layer in FULL_ATTN:
+            specs[f"l{layer}.mla"] = MLAAttentionSpec(
+                block_size=block,
+                block_stride_alignment=MultipleOf(64),
+                num_kv_heads=1,
+                head_size=576,
+                dtype=torch.uint8,
+                cache_dtype_str="fp8_ds_mla",
+                state_content_bytes=656,
+            )
+            specs[f"l{layer}.index"] = MLAAttentionSpec(
+                block_size=block,
+                block_stride_alignment=MultipleOf(64),
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=132,
+                dtype=torch.uint8,
+                cache_role=SparseCacheRole.INDEXER,
+            )
+        else:
+            specs[f"l{layer}.kda"] = MambaSpec(
+                block_size=block,
+                shapes=MambaStateShapeCalculator.kda_state_shape(TP, 96, 128),
+                dtypes=(torch.bfloat16, torch.float32),
+            )
+    return specs
+
+
+@pytest.fixture
+def packed_kimi_k3_1(vllm_config_for, capsys):
+    from vllm.v1.core.kv_cache_planning import (
+        _get_packed_kv_cache_groups,
+        get_kv_cache_config_from_groups,
+    )
+
+    block = packed_block_size_from_bytes(
+        24 * 788, 23, kda_state_bytes(96, 128, 4, TP), 128, TP
+    )
+    # The planner only reads the layout and the block overrides from the
+    # config; the tiny engine config stands in for the real model's.
+    cfg = vllm_config_for()
+    saved = cfg.cache_config.kv_cache_layout
+    cfg.cache_config.kv_cache_layout = "BLHNC"
+    try:
+        groups = _get_packed_kv_cache_groups(cfg, kimi_k3_1_specs(block))
+        budget = 8 * 19_396_608 + 12_345  # eight blocks and change
+        kv_cache_config = get_kv_cache_config_from_groups(cfg, groups, budget)
+    finally:
+        cfg.cache_config.kv_cache_layout = saved
+    return block, budget, kv_cache_config
+
+
+def test_plan_counts_the_planners_blocks(packed_kimi_k3_1, capsys):
+    import json
+
+    block, budget, kv_cache_config = packed_kimi_k3_1
+    capsys.readouterr()
+    assert main(
+        ["--tp", str(TP), "--kv-budget", str(budget), "--max-model-len", "4096",
+         "--json"]
+    ) == 0  # fmt: skip
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["block_size"] == block == 1024
+    assert plan["num_blocks"] == kv_cache_config.num_blocks == 8
+    # One backing allocation of num_blocks x the planner's block stride.
+    strides = {t.block_stride for t in kv_cache_config.kv_cache_tensors}
+    assert strides == {plan["block_bytes"]}
+
+
+def test_kernel_pages_of_the_allocated_indexer_cache(packed_kimi_k3_1):
+    from vllm.plugins.kimi_k3_dsa import kernel_block_split
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+    from vllm.v1.worker.utils import AttentionGroup, allocate_kv_cache
+
+    kernel_block_split.apply()
+    block, _, kv_cache_config = packed_kimi_k3_1
+    caches = allocate_kv_cache(
+        kv_cache_config, torch.device("cpu"), KVCacheLayout.BLHNC
+    )
+    index, mla = caches["l3.index"], caches["l3.mla"]
+    assert index.shape == (8, 1, block, 132) and mla.shape == (8, 1, block, 656)
+    group = next(
+        g for g in kv_cache_config.kv_cache_groups if "l3.index" in g.layer_names
+    )
+    spec = group.kv_cache_spec.kv_cache_specs["l3.index"]
+    attn_group = AttentionGroup(
+        backend=KimiK3IndexerBackend,
+        layer_names=["l3.index"],
+        kv_cache_spec=spec,
+        kv_cache_group_id=0,
+        kernel_block_size=64,
+    )
+    pages = attn_group.map_kv_cache_to_kernel_blocks(index)
+    stride = attn_group.kernel_block_stride
+    assert stride * 64 * 132 == index.stride(0)
+    # Write every token of every block through the kernel pages, as the
+    # indexer's slots (page * 64 + row) address them.
+    for b in range(8):
+        for j in range(block // 64):
+            pages[b * stride + j, 0, :, 0] = torch.arange(64, dtype=torch.uint8) + j
+            pages[b * stride + j, 0, :, 1] = b + 1
+    # The manager-block view of the same cache sees each token in its row ...
+    positions = torch.arange(block)
+    for b in range(8):
+        assert torch.equal(index[b, 0, :, 0], (positions % 64 + positions // 64).byte())
+        assert (index[b, 0, :, 1] == b + 1).all()
+    # ... and no other cache of the DSA row was touched (the KDA state groups
+    # overlay the same blocks by design: a block belongs to one group at a
+    # time).
+    others = [name for name in group.layer_names if name != "l3.index"]
+    assert len(others) == 47 and "l3.mla" in others
+    for name in others:
+        assert int(caches[name].count_nonzero()) == 0, name
