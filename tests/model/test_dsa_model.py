@@ -885,3 +885,86 @@ def test_vllm_initialize_model_resolves_the_wired_architecture(dsa_layer_env) ->
     attns = [model.model.layers[i].self_attn for i in DSA_LAYERS]
     assert all(isinstance(a, D.KimiK3DSAAttention) for a in attns)
     assert all(a.topk_indices_buffer is model.model.topk_indices_buffer for a in attns)
+
+
+# -- the multimodal architecture and its MTP draft, end to end ---------------
+
+
+@pytest.fixture(scope="module")
+def multimodal_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_k31_mm"), multimodal=True, seed=11
+    )
+
+
+@pytest.fixture(scope="module")
+def multimodal_vllm_config(multimodal_checkpoint: Path, dsa_vllm_config: Any) -> Any:
+    """The real engine configuration of the multimodal tiny checkpoint with
+    the Kimi K3 MTP draft (``--speculative-config kimi_k3_mtp``), sized like
+    the session's text-only one."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=str(multimodal_checkpoint),
+        enable_prefix_caching=False,
+        max_model_len=dsa_vllm_config.model_config.max_model_len,
+        max_num_batched_tokens=dsa_vllm_config.scheduler_config.max_num_batched_tokens,
+        skip_tokenizer_init=True,
+        speculative_config={"method": "kimi_k3_mtp", "num_speculative_tokens": 1},
+    ).create_engine_config()
+
+
+def test_multimodal_target_and_mtp_draft_load_end_to_end(
+    dsa_layer_env, multimodal_checkpoint: Path, multimodal_vllm_config: Any
+) -> None:
+    """``KimiK3ForConditionalGeneration`` and its ``KimiK3MTP`` draft, built by
+    vLLM's ``initialize_model`` from the real engine configuration (the
+    draft's model config comes from the speculative config) and loaded by
+    vLLM's ``DefaultModelLoader`` from the multimodal tiny checkpoint."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    cfg = multimodal_vllm_config
+    env = dsa_layer_env
+    env.monkeypatch.setattr(cfg.compilation_config, "static_forward_context", {})
+    env.monkeypatch.setattr(torch.cuda, "Stream", _NoCudaStream)
+    assert cfg.cache_config.cache_dtype == "fp8_ds_mla"
+    draft_config = cfg.speculative_config.draft_model_config
+    assert draft_config.architecture == "KimiK3MTPModel"
+    loader = get_model_loader(cfg.load_config)
+    ckpt = read_checkpoint(multimodal_checkpoint)
+    with set_current_vllm_config(cfg), set_default_torch_dtype(torch.bfloat16):
+        target = initialize_model(vllm_config=cfg)
+        draft = initialize_model(vllm_config=cfg, model_config=draft_config)
+    assert type(target).__name__ == "KimiK3ForConditionalGeneration"
+    assert type(draft).__name__ == "KimiK3MTP"
+    lm = target.language_model
+    for idx in DSA_LAYERS:
+        assert isinstance(lm.model.layers[idx].self_attn, D.KimiK3DSAAttention)
+    mtp_attn = draft.model.layers[str(MTP_LAYER)].mtp_block.self_attn
+    assert isinstance(mtp_attn, D.KimiK3DSAAttention)
+    assert mtp_attn.topk_indices_buffer is draft.model.topk_indices_buffer
+
+    with torch.no_grad():
+        loader.load_weights(target, cfg.model_config)
+        loader.load_weights(draft, draft_config)
+    text = {
+        k.removeprefix("language_model."): v
+        for k, v in ckpt.items()
+        if k.startswith("language_model.")
+    }
+    assert assert_params_match(lm, text, _lm_ckpt_name) == len(
+        list(lm.named_parameters())
+    )
+    assert assert_params_match(draft, text, _mtp_ckpt_name) == len(
+        list(draft.named_parameters())
+    )
+    calls: list[Any] = []
+    env.monkeypatch.setattr(
+        D.KimiK3DSAAttention, "pack_projections", lambda self: calls.append(self)
+    )
+    target.process_weights_after_loading()
+    draft.process_weights_after_loading()
+    assert calls == [lm.model.layers[i].self_attn for i in DSA_LAYERS] + [mtp_attn]

@@ -105,3 +105,22 @@ def test_write_tiny_config_unchanged(tmp_path: Path) -> None:
     assert config["dsa_config"] == T.TINY_DSA_CONFIG
     assert config["max_position_embeddings"] == 2048
     assert not (out / T.CHECKPOINT_FILE).exists()
+
+
+def test_multimodal_checkpoint(tmp_path: Path) -> None:
+    T.main([str(tmp_path / "mm"), "--multimodal"])
+    config = json.loads((tmp_path / "mm" / "config.json").read_text())
+    assert config["model_type"] == "kimi_k3"
+    assert config["architectures"] == ["KimiK3ForConditionalGeneration"]
+    assert config["text_config"] == T.tiny_text_config()
+    assert config["media_placeholder_token_id"] < config["text_config"]["vocab_size"]
+    tensors = safetensors_torch.load_file(str(tmp_path / "mm" / T.CHECKPOINT_FILE))
+    text = {n for n in tensors if n.startswith("language_model.")}
+    assert {n.removeprefix("language_model.") for n in text} == set(
+        T.tiny_checkpoint_shapes(T.tiny_text_config())
+    )
+    assert set(tensors) - text == set(
+        T.tiny_vision_shapes(T.TINY_VISION_CONFIG, config["text_config"]["hidden_size"])
+    )
+    with pytest.raises(SystemExit):
+        T.main([str(tmp_path / "bad"), "--multimodal", "--config-only"])

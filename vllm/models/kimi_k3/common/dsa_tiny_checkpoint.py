@@ -9,12 +9,19 @@ rest: a few layers with both KDA and DSA layers and one MTP layer.
 real checkpoint naming (``model.safetensors``): the text-only
 ``KimiLinearForCausalLM`` layout (``model.layers.N.*``, ``lm_head``), or with
 ``prefix="language_model."`` the text part of the multimodal
-``KimiK3ForConditionalGeneration`` naming. DSA layers carry the indexer as the
+``KimiK3ForConditionalGeneration`` naming; ``multimodal=True`` (``--multimodal``)
+writes the whole multimodal checkpoint (its config, the text weights under
+``language_model.``, a one-block vision tower and the projector). DSA layers
+carry the indexer as the
 checkpoint names it, ``self_attn.indexer.{wq_b, wk, weights_proj, k_norm}``,
 and the MLA projections unfused (``q_a_proj``, ``kv_a_proj_with_mqa``,
 ``g_proj``).
 
     python -m vllm.models.kimi_k3.common.dsa_tiny_checkpoint OUT_DIR
+    vllm serve OUT_DIR --skip-tokenizer-init --max-model-len 1024
+
+    # multimodal (KimiK3ForConditionalGeneration): the MTP draft needs it
+    python -m vllm.models.kimi_k3.common.dsa_tiny_checkpoint OUT_DIR --multimodal
     vllm serve OUT_DIR --skip-tokenizer-init --max-model-len 1024 \
         --speculative-config '{"method": "kimi_k3_mtp", "num_speculative_tokens": 1}'
 
@@ -92,6 +99,37 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     },
     "dsa_config": TINY_DSA_CONFIG,
 }
+
+
+# The multimodal checkpoint (KimiK3ForConditionalGeneration): a one-block
+# MoonViT vision tower and the patch-merger projector, shrunk likewise.
+TINY_VISION_CONFIG: dict[str, Any] = {
+    "patch_size": 14,
+    "init_pos_emb_height": 8,
+    "init_pos_emb_width": 8,
+    "init_pos_emb_time": 2,
+    "vt_num_attention_heads": 2,
+    "vt_num_hidden_layers": 1,
+    "vt_hidden_size": 64,
+    "vt_intermediate_size": 128,
+    "qkv_hidden_size": 64,
+    "merge_kernel_size": [2, 2],
+    "mm_projector_type": "patchmergerv2",
+}
+TINY_MEDIA_PLACEHOLDER_TOKEN_ID = 1023
+
+
+def tiny_multimodal_config(dsa: bool = True, **overrides: Any) -> dict[str, Any]:
+    """The tiny ``KimiK3ForConditionalGeneration`` config as a dict (the text
+    config nested as ``text_config``)."""
+    return {
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "text_config": tiny_text_config(dsa=dsa, **overrides),
+        "vision_config": copy.deepcopy(TINY_VISION_CONFIG),
+        "media_placeholder_token_id": TINY_MEDIA_PLACEHOLDER_TOKEN_ID,
+        "dtype": "bfloat16",
+    }
 
 
 def tiny_text_config(dsa: bool = True, **overrides: Any) -> dict[str, Any]:
@@ -255,6 +293,40 @@ def _mlp_shapes(config: dict[str, Any], idx: int, p: str) -> dict[str, tuple[int
     return shapes
 
 
+def tiny_vision_shapes(
+    vision: dict[str, Any], text_hidden_size: int
+) -> dict[str, tuple[int, ...]]:
+    """The vision tower and projector tensors of the multimodal checkpoint, in
+    its naming (``mm_projector.proj.{0,2}``, which vLLM maps to
+    ``linear_{1,2}``)."""
+    vt = vision["vt_hidden_size"]
+    qkv = vision["qkv_hidden_size"]
+    inter = vision["vt_intermediate_size"]
+    patch = vision["patch_size"]
+    merge_h, merge_w = vision["merge_kernel_size"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "vision_tower.patch_embed.proj.weight": (vt, 3, patch, patch),
+        "vision_tower.patch_embed.pos_emb.weight": (
+            vision["init_pos_emb_height"],
+            vision["init_pos_emb_width"],
+            vt,
+        ),
+        "vision_tower.encoder.final_layernorm.weight": (vt,),
+        "mm_projector.proj.0.weight": (vt * merge_h * merge_w, vt * merge_h * merge_w),
+        "mm_projector.proj.2.weight": (text_hidden_size, vt * merge_h * merge_w),
+        "mm_projector.post_norm.weight": (text_hidden_size,),
+    }
+    for block in range(vision["vt_num_hidden_layers"]):
+        b = f"vision_tower.encoder.blocks.{block}."
+        shapes[b + "norm0.weight"] = (vt,)
+        shapes[b + "norm1.weight"] = (vt,)
+        shapes[b + "wqkv.weight"] = (3 * qkv, vt)
+        shapes[b + "wo.weight"] = (vt, qkv)
+        shapes[b + "mlp.fc0.weight"] = (inter, vt)
+        shapes[b + "mlp.fc1.weight"] = (vt, inter)
+    return shapes
+
+
 def _is_norm(name: str) -> bool:
     return name.endswith(("norm.weight", "layernorm.weight")) or name in {
         "model.norm.weight"
@@ -270,12 +342,22 @@ def tiny_checkpoint_tensors(
 ) -> dict[str, torch.Tensor]:
     """Random tensors for :func:`tiny_checkpoint_shapes`, reproducible from
     ``seed``; ``prefix="language_model."`` gives the multimodal naming."""
+
+    return _random_tensors(tiny_checkpoint_shapes(config), seed, dtype, prefix)
+
+
+def _random_tensors(
+    shapes: dict[str, tuple[int, ...]],
+    seed: int,
+    dtype: torch.dtype | None,
+    prefix: str = "",
+) -> dict[str, torch.Tensor]:
     import torch
 
     dtype = torch.bfloat16 if dtype is None else dtype
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    for name, shape in tiny_checkpoint_shapes(config).items():
+    for name, shape in shapes.items():
         value = torch.randn(shape, generator=generator, dtype=torch.float32)
         if _is_norm(name):
             value = 1.0 + 0.1 * value
@@ -293,17 +375,34 @@ def write_tiny_checkpoint(
     *,
     seed: int = 0,
     prefix: str = "",
+    multimodal: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write a tiny Kimi K3.1 checkpoint (``config.json`` and
     ``model.safetensors``) into ``path``; ``dsa=False`` writes plain Kimi K3.
-    Keyword overrides replace top-level text-config keys. Returns the
-    directory."""
+    Keyword overrides replace top-level text-config keys. ``multimodal=True``
+    writes the ``KimiK3ForConditionalGeneration`` checkpoint: the text
+    weights under ``language_model.``, plus a tiny vision tower and projector
+    (``prefix`` is then ignored). Returns the directory."""
     from safetensors.torch import save_file
 
-    out = write_tiny_config(path, dsa=dsa, **overrides)
     config = tiny_text_config(dsa=dsa, **overrides)
-    tensors = tiny_checkpoint_tensors(config, seed=seed, prefix=prefix)
+    if multimodal:
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        mm_config = tiny_multimodal_config(dsa=dsa, **overrides)
+        (out / "config.json").write_text(json.dumps(mm_config, indent=2) + "\n")
+        tensors = tiny_checkpoint_tensors(config, seed=seed, prefix="language_model.")
+        tensors.update(
+            _random_tensors(
+                tiny_vision_shapes(mm_config["vision_config"], config["hidden_size"]),
+                seed + 1,
+                None,
+            )
+        )
+    else:
+        out = write_tiny_config(path, dsa=dsa, **overrides)
+        tensors = tiny_checkpoint_tensors(config, seed=seed, prefix=prefix)
     save_file(
         {name: t.contiguous() for name, t in tensors.items()},
         str(out / CHECKPOINT_FILE),
@@ -321,13 +420,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--config-only", action="store_true", help="write config.json only"
     )
+    parser.add_argument(
+        "--multimodal",
+        action="store_true",
+        help="write the multimodal KimiK3ForConditionalGeneration checkpoint",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args(argv)
     if args.config_only:
+        if args.multimodal:
+            parser.error("--config-only writes the text-only config")
         out = write_tiny_config(args.out_dir, dsa=not args.no_dsa)
         print(f"wrote a tiny Kimi K3.1 checkpoint config to {out}")
         return
-    out = write_tiny_checkpoint(args.out_dir, dsa=not args.no_dsa, seed=args.seed)
+    out = write_tiny_checkpoint(
+        args.out_dir, dsa=not args.no_dsa, seed=args.seed, multimodal=args.multimodal
+    )
     print(
         f"wrote a tiny Kimi K3.1 checkpoint (config.json, {CHECKPOINT_FILE}) to {out}"
     )
