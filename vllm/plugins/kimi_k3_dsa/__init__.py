@@ -40,12 +40,14 @@ Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
                          model-level top-k buffer + index-group builder
 ``dsa_weights``          ``model.py`` ``KimiLinearModel.load_weights``;
                          ``mtp.py`` ``KimiK3MTP.load_weights`` -> indexer
-                         renames/stacking, ``fused_qkv_a_proj`` for DSA
-                         layers, missing/unexpected indexer tensors refused
+                         renames/stacking (fp8 ``wq_b``/``wk`` scales or
+                         upcast), ``fused_qkv_a_proj`` for DSA layers,
+                         unexpected indexer tensors refused
 ``dsa_post_load``        ``model.py`` ``KimiLinearForCausalLM``,
                          ``KimiK3ForConditionalGeneration``; ``mtp.py``
                          ``KimiK3MTP`` -> a ``process_weights_after_loading``
-                         that calls ``pack_projections()`` on DSA layers
+                         that refuses incomplete indexers and calls
+                         ``pack_projections()`` on DSA layers
 =======================  =====================================================
 
 The patches target 0.33.0's internals, so :func:`register` refuses any other
