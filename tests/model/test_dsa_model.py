@@ -968,3 +968,32 @@ def test_multimodal_target_and_mtp_draft_load_end_to_end(
     target.process_weights_after_loading()
     draft.process_weights_after_loading()
     assert calls == [lm.model.layers[i].self_attn for i in DSA_LAYERS] + [mtp_attn]
+
+
+def test_quant_config_ignore_list_follows_the_indexer_rename() -> None:
+    """An fp8 ``ignored_layers`` entry naming the checkpoint's ``wq_b`` keeps
+    the DSA layer's ``wq_index`` unquantized."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.models.kimi_k3.nvidia.dsa_model import map_indexer_names_in_quant_config
+
+    quant_config = Fp8Config(
+        is_checkpoint_fp8_serialized=True,
+        activation_scheme="dynamic",
+        ignored_layers=[
+            "model.layers.3.self_attn.indexer.wq_b",
+            "model.layers.3.self_attn.kv_b_proj",
+            "re:.*indexer.wq_b",
+        ],
+        weight_block_size=[128, 128],
+    )
+    cfg = SimpleNamespace(quant_config=quant_config)
+    for _ in range(2):  # idempotent
+        map_indexer_names_in_quant_config(cfg)
+        assert quant_config.ignored_layers == [
+            "model.layers.3.self_attn.dsa_indexer.wq_index",
+            "model.layers.3.self_attn.kv_b_proj",
+            "re:.*indexer.wq_b",
+        ]
+    map_indexer_names_in_quant_config(SimpleNamespace(quant_config=None))

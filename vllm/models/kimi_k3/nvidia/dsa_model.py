@@ -129,6 +129,31 @@ class DSAModelState:
     layers: list[str] = field(default_factory=list)
 
 
+# Checkpoint module paths -> the DSA layer's, for the module paths a
+# quantization config names (fp8 ``ignored_layers``, compressed-tensors
+# ``ignore`` / targets). Only wq_b can be quantized (wkv_index is built
+# without a quant config; k_norm is a norm).
+QUANT_CONFIG_INDEXER_RENAMES: dict[str, str] = {
+    f".self_attn.{CHECKPOINT_INDEXER}.wq_b": f".self_attn.{MODULE_INDEXER}.wq_index",
+}
+
+
+def map_indexer_names_in_quant_config(vllm_config: VllmConfig) -> None:
+    """Rename the checkpoint's indexer module paths in the quantization
+    config's layer lists to the DSA layer's (``indexer.wq_b`` ->
+    ``dsa_indexer.wq_index``), as a model's ``hf_to_vllm_mapper`` does, so an
+    ignore list that names ``wq_b`` still keeps it unquantized. Regex entries
+    are left alone (vLLM's mappers skip them). Idempotent."""
+    quant_config = getattr(vllm_config, "quant_config", None)
+    if quant_config is None:
+        return
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    quant_config.apply_vllm_mapper(
+        WeightsMapper(orig_to_new_substr=dict(QUANT_CONFIG_INDEXER_RENAMES))
+    )
+
+
 def make_dsa_model_state(vllm_config: VllmConfig) -> DSAModelState | None:
     """The shared state for the model ``vllm_config`` describes, or None when
     it is not a Kimi K3.1 DSA model."""
@@ -168,6 +193,8 @@ def dsa_model_scope(vllm_config: VllmConfig) -> Iterator[DSAModelState | None]:
     buffer threaded to each layer, as ``DeepseekV32Model`` does through its
     ``make_layers`` closure)."""
     state = make_dsa_model_state(vllm_config)
+    if state is not None:
+        map_indexer_names_in_quant_config(vllm_config)
     token = _CURRENT_STATE.set(state)
     try:
         yield state
