@@ -22,8 +22,10 @@ globals when it builds a layer, so that name is rebound to
 :func:`~vllm.models.kimi_k3.nvidia.dsa_model.kimi_k3_attention_factory` (dense
 MLA unless ``dsa_config``); the model ``__init__``s run inside
 :func:`~vllm.models.kimi_k3.nvidia.dsa_model.dsa_model_scope`, which hands the
-model's shared buffer and builder to the factory and leaves them on the model.
-Applied when the module is first imported.
+model's shared buffer and builder to the factory and leaves them on the model
+(and renames the checkpoint's ``indexer.wq_b`` paths in the quantization
+config's layer lists to ``dsa_indexer.wq_index``). Applied when the module is
+first imported.
 
 In-tree edit: in ``KimiLinearModel.__init__`` allocate the buffer and builder
 (:func:`make_dsa_model_state`) and pass them through ``get_layer`` to
