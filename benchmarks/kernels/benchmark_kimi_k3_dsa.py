@@ -350,14 +350,21 @@ def prologue_case(dims: Dims, fp4: bool) -> Case:
             {**st, "mla": mla, "idx": idx, "topk": [topk]}, 0, prologue_composition
         )
         q_out, kv_out = fast(st, 0)
-        ok = (
-            torch.equal(mla, st["mla"])
-            and torch.equal(idx, st["idx"])
-            and torch.equal(topk, st["topk"][0])
-            and torch.equal(q_ref, q_out)
-            and torch.equal(kv_ref, kv_out)
-        )
-        return "bytes match the composition" if ok else "differs from composition"
+        pairs = {
+            "q_c_out": (q_ref, q_out),
+            "kv_c_out": (kv_ref, kv_out),
+            "mla": (mla, st["mla"]),
+            "idx": (idx, st["idx"]),
+            "topk": (topk, st["topk"][0]),
+        }
+        diffs = [
+            f"{k}: {int((a.view(torch.uint8) != b.view(torch.uint8)).sum())} bytes"
+            for k, (a, b) in pairs.items()
+            if not torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        ]
+        if diffs:
+            return "differs from composition (" + "; ".join(diffs) + ")"
+        return "bytes match the composition"
 
     def nbytes(t: int) -> int:
         d = dims
