@@ -220,7 +220,13 @@ def test_mxfp4_triton_kernel_under_interpreter() -> None:
     pytest.importorskip("triton")
     script = textwrap.dedent(
         """
+        import sys
         import torch
+        # As tests/kernels/conftest.py: the checkout's ops beside an installed
+        # vLLM's own ops package.
+        import vllm.models.kimi_k3.nvidia.ops as pkg
+        if sys.argv[1] not in list(pkg.__path__):
+            pkg.__path__.append(sys.argv[1])
         from vllm.models.kimi_k3.nvidia.ops import indexer_q_quant as m
         torch.manual_seed(0)
         # An even row stride takes the bf16-pair path, an odd one the
@@ -241,7 +247,12 @@ def test_mxfp4_triton_kernel_under_interpreter() -> None:
     )
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run(
-        [sys.executable, "-c", script],
+        [
+            sys.executable,
+            "-c",
+            script,
+            str(REPO_ROOT / "vllm/models/kimi_k3/nvidia/ops"),
+        ],
         env=env,
         capture_output=True,
         text=True,
