@@ -6,6 +6,7 @@
 // (16-byte) accesses need 16-byte aligned rows; the packed GEMM output of the
 // fused forward satisfies this for every slice.
 #include <cstdint>
+#include <string>
 
 #include "dsa_ops.h"
 
@@ -15,6 +16,19 @@ namespace {
 constexpr int64_t kIndexDim = 128;
 constexpr int64_t kDsMlaEntry = 656;
 
+// Numbers go into messages as std::string: streaming integers through the
+// std::ostream of TORCH_CHECK crashed on the H200 image's toolchain (a newer
+// GCC than torch's), while strings stream fine.
+std::string num(int64_t v) { return std::to_string(v); }
+
+std::string shape(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    s += (i ? ", " : "") + std::to_string(t.size(i));
+  }
+  return s + "]";
+}
+
 bool aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
@@ -22,8 +36,8 @@ bool aligned16(const at::Tensor& t) {
 void check_same_device(const at::Tensor& t, const char* name,
                        const at::Tensor& like) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(),
-              " but the inputs are on ", like.device());
+  TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device().str(),
+              " but the inputs are on ", like.device().str());
 }
 
 }  // namespace
@@ -33,8 +47,8 @@ void check_bf16_rows(const at::Tensor& t, int64_t width, const char* name,
   check_same_device(t, name, like);
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ",
               t.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.size(1) == width, name, " must be [T, ", width,
-              "], got ", t.sizes());
+  TORCH_CHECK(t.dim() == 2 && t.size(1) == width, name, " must be [T, ", num(width),
+              "], got ", shape(t));
   TORCH_CHECK(t.stride(1) == 1, name, " must be contiguous in its last dim");
   TORCH_CHECK(t.size(0) <= 1 || t.stride(0) % 8 == 0, name,
               ": the row stride must be a multiple of 8 elements (16 bytes)");
@@ -53,7 +67,7 @@ void check_norm_param(const at::Tensor& t, at::ScalarType dtype,
   TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ",
               t.scalar_type());
   TORCH_CHECK(t.numel() == numel && t.is_contiguous(), name,
-              " must be contiguous with ", numel, " elements");
+              " must be contiguous with ", num(numel), " elements");
   TORCH_CHECK(aligned16(t), name, " must be 16-byte aligned");
 }
 
@@ -64,8 +78,8 @@ void check_slot_mapping(const at::Tensor& t, int64_t max_tokens,
               name, " must be int64 or int32, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), name,
               " must be a contiguous 1-D tensor");
-  TORCH_CHECK(t.numel() <= max_tokens, name, " has ", t.numel(),
-              " slots for ", max_tokens, " tokens");
+  TORCH_CHECK(t.numel() <= max_tokens, name, " has ", num(t.numel()),
+              " slots for ", num(max_tokens), " tokens");
 }
 
 void check_indexer_cache(const at::Tensor& t, bool fp4,
@@ -75,8 +89,8 @@ void check_indexer_cache(const at::Tensor& t, bool fp4,
   TORCH_CHECK(t.scalar_type() == at::kByte,
               "index kv_cache must be uint8, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 3 && t.size(2) == entry,
-              "index kv_cache must be [num_blocks, block_size, ", entry,
-              "], got ", t.sizes());
+              "index kv_cache must be [num_blocks, block_size, ", num(entry),
+              "], got ", shape(t));
   if (t.numel() == 0) return;
   TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == entry,
               "index kv_cache: tokens of a block must be contiguous");
@@ -93,7 +107,7 @@ void check_mla_cache(const at::Tensor& t, const at::Tensor& like) {
   TORCH_CHECK(t.dim() == 3 && t.size(2) == kDsMlaEntry,
               "mla kv_cache must be [num_blocks, block_size, 656] "
               "(fp8_ds_mla), got ",
-              t.sizes());
+              shape(t));
   if (t.numel() == 0) return;
   TORCH_CHECK(t.stride(2) == 1, "mla kv_cache: entries must be contiguous");
   TORCH_CHECK(t.stride(1) >= kDsMlaEntry && t.stride(1) % 16 == 0 &&
@@ -110,8 +124,8 @@ void check_topk(const at::Tensor& t, int64_t rows,
               "topk_indices_buffer must be int32, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1,
               "topk_indices_buffer must be 2-D, contiguous in its last dim");
-  TORCH_CHECK(rows >= 0 && rows <= t.size(0), "cannot fill ", rows,
-              " top-k rows of a buffer with ", t.size(0));
+  TORCH_CHECK(rows >= 0 && rows <= t.size(0), "cannot fill ", num(rows),
+              " top-k rows of a buffer with ", num(t.size(0)));
 }
 
 bool topk_vectorizable(const at::Tensor& t) {
