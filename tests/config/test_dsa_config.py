@@ -293,6 +293,26 @@ def test_rocm_refused_with_the_seed_reason(tiny_checkpoint, engine_config, monke
         verify_dsa_vllm_config(config)
 
 
+def test_xpu_refused(tiny_checkpoint, engine_config, monkeypatch):
+    config = engine_config(tiny_checkpoint())
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_xpu", lambda: True)
+    with pytest.raises(NotImplementedError, match=r"not supported on XPU"):
+        verify_dsa_vllm_config(config)
+
+
+def test_specialized_decode_refused(tiny_checkpoint, engine_config):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"decode_backend='latency_specialized' is not supported for Kimi-K3.1",
+    ):
+        engine_config(
+            tiny_checkpoint(),
+            additional_config={"decode_backend": "latency_specialized"},
+        )
+
+
 @pytest.mark.parametrize(
     "requested,expected",
     [

@@ -49,6 +49,10 @@ ROCM_REASON = (
     "Kimi-K3.1 DSA requires the CUDA FlashMLA sparse / DeepGEMM indexer "
     "kernels; ROCm is not supported."
 )
+XPU_REASON = (
+    "Kimi-K3.1 DSA is not supported on XPU: vLLM 0.33.0 serves Kimi K3 there "
+    "with its AMD text model, which has no DSA layers."
+)
 
 
 @dataclass(frozen=True)
@@ -328,6 +332,18 @@ def check_indexer_kv_dtype(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
         )
 
 
+def check_decode_backend(vllm_config: VllmConfig) -> None:
+    """Kimi K3's specialized decode loop knows only the dense MLA layers."""
+    extra = vllm_config.additional_config
+    backend = extra.get("decode_backend", "auto") if isinstance(extra, dict) else "auto"
+    if backend != "auto":
+        raise NotImplementedError(
+            f"additional_config decode_backend={backend!r} is not supported for "
+            "Kimi-K3.1 DSA models (the specialized decode runs dense MLA only); "
+            "accepted: 'auto'"
+        )
+
+
 def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
     """Refuse what cannot be served and force the cache format, for a Kimi
     K3.1 model; a no-op for any other model.
@@ -344,7 +360,10 @@ def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
         return
     if current_platform.is_rocm():
         raise NotImplementedError(ROCM_REASON)
+    if current_platform.is_xpu():
+        raise NotImplementedError(XPU_REASON)
     dsa: DSAConfig = text_config.dsa_config
+    check_decode_backend(vllm_config)
     check_dsa_model(dsa, text_config)
     check_indexer_kv_dtype(vllm_config, dsa)
     cache_config = vllm_config.cache_config
