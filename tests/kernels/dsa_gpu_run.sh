@@ -4,7 +4,7 @@
 # compute-sanitizer memcheck/racecheck driver and the graph-replay timings.
 # Logs go to ${OUT:-dsa-gpu-logs}/. Usage: bash tests/kernels/dsa_gpu_run.sh
 set -uo pipefail
-out=${OUT:-dsa-gpu-logs}
+out=$(realpath -m "${OUT:-dsa-gpu-logs}")
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -15,9 +15,13 @@ timeout 300 $py setup.py build_ext --inplace >"$out/build.log" 2>&1 \
   || { tail -40 "$out/build.log"; exit 1; }
 tail -1 "$out/build.log"
 tk=tests/kernels
-timeout 420 $py -m pytest -m gpu -v -p no:cacheprovider -k "not bad_" \
+timeout 420 $py -m pytest -m gpu -v -s -p no:cacheprovider -k "not bad_" \
   $tk/test_dsa_cache_consumers_gpu.py $tk/test_dsa_cache_writers_gpu.py \
-  2>&1 | tee "$out/pytest.log" | grep -E "PASS|FAIL|SKIP|ERROR|Error|passed|failed"
+  2>&1 | tee "$out/pytest.log" | grep -E "FAIL|SKIP|ERROR|Error|passed|failed"
+grep -h "METRIC" "$out/pytest.log" | sed 's/.*METRIC/METRIC/' | sort | uniq -c \
+  | sort -rn | head -40 >"$out/metrics.log"
+grep -E "deepgemm|flashmla|bf16_max_ulp=1" "$out/metrics.log"
+grep "codes_differing" "$out/metrics.log" | grep -v "differing=0 " | head
 # Validation tests under xdist: a crash is reported per test, not fatal.
 timeout 120 $py -m pytest -m gpu -v -p no:cacheprovider -n 2 -k "bad_" \
   $tk/test_dsa_cache_writers_gpu.py 2>&1 | tee "$out/pytest_bad.log" | tail -25

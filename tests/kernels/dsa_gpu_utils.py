@@ -102,6 +102,8 @@ def assert_codes_close(a: torch.Tensor, b: torch.Tensor, fp4: bool, n: int):
         sign = 0x80
     diff = a != b
     bad = int(diff.sum())
+    # Recorded by dsa_gpu_run.sh (pytest -s): codes one apart, per call.
+    print(f"METRIC codes_differing={bad} of={n} fp4={fp4}")
     assert bad <= max(n, 1) * 1e-3, f"{bad} of {n} codes differ"
     if bad:
         da, db = a[diff], b[diff]
@@ -113,6 +115,7 @@ def assert_codes_close(a: torch.Tensor, b: torch.Tensor, fp4: bool, n: int):
 
 def assert_bf16_within_ulp(a: torch.Tensor, b: torch.Tensor):
     d = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+    print(f"METRIC bf16_max_ulp={int(d.max())} elems={d.numel()}")
     assert int(d.max()) <= 1, f"bf16 outputs differ by {int(d.max())} ulp"
 
 

@@ -145,6 +145,7 @@ def test_deepgemm_paged_mqa_logits_reads_our_indexer_cache(fp4: bool, packed: bo
     # logit is dominated by the fp8 rounding of q and k).
     diff = _calc_diff(got_all, ref_all)
     per_request = [f"{_calc_diff(a, b):.1e}" for a, b in zip(got, ref, strict=True)]
+    print(f"METRIC deepgemm fp4={fp4} packed={packed} calc_diff={diff:.3e}")
     assert diff < 1e-3, f"calc_diff {diff:.2e} (per request: {per_request})"
 
 
@@ -183,4 +184,6 @@ def test_flashmla_sparse_decode_reads_our_ds_mla_cache(packed: bool):
         kk = k_full[tok]
         p = torch.softmax((q[i, 0].float() @ kk.T) * scale, dim=-1)
         ref = (p @ kv_out[tok].float()).bfloat16()
+        err = (out[i, 0].float() - ref.float()).abs().max().item()
+        print(f"METRIC flashmla packed={packed} req={i} max_abs_err={err:.4f}")
         torch.testing.assert_close(out[i, 0], ref, rtol=0.065, atol=0.05)
