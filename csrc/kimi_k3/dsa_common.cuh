@@ -2,7 +2,7 @@
 // SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 //
 // Device helpers shared by the Kimi K3.1 DSA cache writers. Every encoding
-// here has a pure-torch twin in vllm/models/kimi_k3/nvidia/ops/formats.py;
+// here has a pure-torch twin in vllm/models/kimi_k3/nvidia/dsa_ops/formats.py;
 // the two must stay bit-identical (the python one is the contract).
 #pragma once
 
@@ -223,21 +223,24 @@ __device__ __forceinline__ void fill_topk(int32_t* topk, int64_t stride,
                                           int64_t row0, int64_t row1,
                                           int begin, int end, bool vec,
                                           int tid, int nthreads) {
+  // A block fills a few rows: 32-bit index math (64-bit division is a long
+  // emulated sequence on the GPU), 64-bit only for the row offset.
+  const int rows = static_cast<int>(row1 - row0);
   if (vec) {
-    const int cb = begin / 4, ce = end / 4, per_row = ce - cb;
-    const int64_t total = (row1 - row0) * per_row;
+    const int cb = begin / 4, per_row = end / 4 - cb;
+    const int total = rows * per_row;
     const int4 neg = make_int4(-1, -1, -1, -1);
-    for (int64_t i = tid; i < total; i += nthreads) {
-      const int64_t r = row0 + i / per_row;
-      const int c = cb + static_cast<int>(i % per_row);
-      *reinterpret_cast<int4*>(topk + r * stride + 4 * c) = neg;
+    for (int i = tid; i < total; i += nthreads) {
+      const int r = i / per_row;
+      const int c = cb + (i - r * per_row);
+      *reinterpret_cast<int4*>(topk + (row0 + r) * stride + 4 * c) = neg;
     }
   } else {
     const int per_row = end - begin;
-    const int64_t total = (row1 - row0) * per_row;
-    for (int64_t i = tid; i < total; i += nthreads) {
-      const int64_t r = row0 + i / per_row;
-      topk[r * stride + begin + i % per_row] = -1;
+    const int total = rows * per_row;
+    for (int i = tid; i < total; i += nthreads) {
+      const int r = i / per_row;
+      topk[(row0 + r) * stride + begin + (i - r * per_row)] = -1;
     }
   }
 }

@@ -6,6 +6,8 @@
 // paged indexer cache, plus the -1 fill of the top-k rows. One launch, one
 // pass: a 16-lane group per token (16-byte loads), 16 tokens per block, and
 // the block's 256 threads fill its top-k rows with 16-byte stores.
+#include <algorithm>
+
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -18,9 +20,13 @@ namespace {
 
 constexpr int kInsertThreads = 256;
 constexpr int kTokensPerBlock = kInsertThreads / 16;
-// The top-k rows of a block's tokens (8 KiB each) are split over this many
-// blocks (blockIdx.y), so that small batches still spread the fill over SMs.
-constexpr int kFillSplit = 4;
+// The top-k rows of a block's tokens (8 KiB each) are split over gridDim.y
+// blocks, so that small batches still spread the fill over the SMs: enough
+// splits for about kFillTargetBlocks blocks, between kMinFillSplit and
+// kMaxFillSplit.
+constexpr int kMinFillSplit = 4;
+constexpr int kMaxFillSplit = 16;
+constexpr int64_t kFillTargetBlocks = 256;
 
 template <bool kFp4, typename SlotT>
 __global__ void __launch_bounds__(kInsertThreads)
@@ -51,8 +57,9 @@ __global__ void __launch_bounds__(kInsertThreads)
     // Column range of this split, in multiples of 4 (16-byte stores).
     const int quads = (topk_width + 3) / 4;
     const int part = static_cast<int>(blockIdx.y);
-    const int begin = min(topk_width, 4 * (quads * part / kFillSplit));
-    const int end = min(topk_width, 4 * (quads * (part + 1) / kFillSplit));
+    const int splits = static_cast<int>(gridDim.y);
+    const int begin = min(topk_width, 4 * (quads * part / splits));
+    const int end = min(topk_width, 4 * (quads * (part + 1) / splits));
     fill_topk(topk, topk_stride, tok0, row1, begin, end, topk_vec, tid,
               kInsertThreads);
   }
@@ -79,9 +86,12 @@ void indexer_k_insert(const at::Tensor& index_k,
 
   const c10::cuda::CUDAGuard guard(index_k.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const dim3 grid(static_cast<unsigned>((n_work + kTokensPerBlock - 1) /
-                                        kTokensPerBlock),
-                  kFillSplit);
+  const int64_t token_blocks = (n_work + kTokensPerBlock - 1) / kTokensPerBlock;
+  const int64_t fill_split =
+      std::clamp<int64_t>((kFillTargetBlocks + token_blocks - 1) / token_blocks,
+                          kMinFillSplit, kMaxFillSplit);
+  const dim3 grid(static_cast<unsigned>(token_blocks),
+                  static_cast<unsigned>(fill_split));
   const int block_size = static_cast<int>(kv_cache.size(1));
   const int64_t cache_slots = kv_cache.size(0) * kv_cache.size(1);
   const bool topk_vec = topk_vectorizable(topk);
