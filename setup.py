@@ -23,7 +23,7 @@ ROOT = Path(__file__).parent
 PACKAGES = [
     "vllm.models.kimi_k3.common",
     "vllm.models.kimi_k3.nvidia",
-    "vllm.models.kimi_k3.nvidia.ops",
+    "vllm.models.kimi_k3.nvidia.dsa_ops",
     "vllm.plugins.kimi_k3_dsa",
 ]
 
@@ -42,6 +42,14 @@ def _skip(reason: str) -> list:
 def _extension_modules() -> list:
     if os.environ.get("KIMI_K3_DSA_SKIP_EXTENSION") == "1":
         return _skip("KIMI_K3_DSA_SKIP_EXTENSION=1")
+    if "editable_wheel" in sys.argv:
+        # An extension of package ``vllm`` makes setuptools map all of
+        # ``vllm`` to this checkout in an editable install, which hides our
+        # modules behind upstream's package. Build it in place instead; the
+        # ops layer loads the checkout's build (dsa_ops/_extension.py).
+        return _skip(
+            "editable install: build it with `python setup.py build_ext --inplace`"
+        )
     sources = sorted(
         str(p.relative_to(ROOT))
         for pattern in ("*.cu", "*.cpp")

@@ -46,9 +46,9 @@ if str(REPO_ROOT) not in sys.path:
     # Run from a checkout without installing (the GPU machine has no vLLM).
     sys.path.insert(0, str(REPO_ROOT))
 
-from vllm.models.kimi_k3.nvidia.ops import formats  # noqa: E402
-from vllm.models.kimi_k3.nvidia.ops import indexer_q_quant as qq  # noqa: E402
-from vllm.models.kimi_k3.nvidia.ops.indexer_q_quant import (  # noqa: E402
+from vllm.models.kimi_k3.nvidia.dsa_ops import formats  # noqa: E402
+from vllm.models.kimi_k3.nvidia.dsa_ops import indexer_q_quant as qq  # noqa: E402
+from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_q_quant import (  # noqa: E402
     indexer_q_quant_fold_weights,
     indexer_q_quant_fold_weights_ref,
     mxfp4_q_quant,
@@ -194,14 +194,14 @@ def prologue_composition(
 
 def _ops_or_none():
     try:
-        from vllm.models.kimi_k3.nvidia.ops._extension import extension_available
+        from vllm.models.kimi_k3.nvidia.dsa_ops._extension import extension_available
     except ImportError:
         return None
     return extension_available()
 
 
 def insert_case(dims: Dims, fp4: bool) -> Case:
-    from vllm.models.kimi_k3.nvidia.ops import indexer_k_insert as ins
+    from vllm.models.kimi_k3.nvidia.dsa_ops import indexer_k_insert as ins
 
     mx = formats.use_mx_scales(torch.device(DEVICE))
     entry = formats.indexer_entry_bytes(dims.index_head_dim, fp4)
@@ -273,7 +273,7 @@ def insert_case(dims: Dims, fp4: bool) -> Case:
 
 
 def prologue_case(dims: Dims, fp4: bool) -> Case:
-    from vllm.models.kimi_k3.nvidia.ops import fused_prologue as fp
+    from vllm.models.kimi_k3.nvidia.dsa_ops import fused_prologue as fp
 
     mx = formats.use_mx_scales(torch.device(DEVICE))
     entry = formats.indexer_entry_bytes(dims.index_head_dim, fp4)

@@ -2,7 +2,7 @@
 // SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 //
 // Registers the Kimi K3.1 DSA kernels as torch.ops._kimi_k3_C.*. The python
-// entry points in vllm/models/kimi_k3/nvidia/ops/ are the public interface.
+// entry points in vllm/models/kimi_k3/nvidia/dsa_ops/ are the public interface.
 #include <torch/extension.h>
 #include <torch/library.h>
 

@@ -7,8 +7,8 @@ blocks prefilled with a sentinel, and code-level comparisons."""
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.ops import formats as F
-from vllm.models.kimi_k3.nvidia.ops._extension import extension_available
+from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
+from vllm.models.kimi_k3.nvidia.dsa_ops._extension import extension_available
 
 SENTINEL = 0xA5
 BLOCK = 64

@@ -12,8 +12,8 @@ from functools import partial
 import torch
 from dsa_gpu_utils import EPS, PackedCaches, gemm_slices, norm_weights, random_slots
 
-from vllm.models.kimi_k3.nvidia.ops.fused_prologue import dsa_fused_prologue
-from vllm.models.kimi_k3.nvidia.ops.indexer_k_insert import (
+from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import dsa_fused_prologue
+from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
     indexer_k_norm_quant_insert,
 )
 

@@ -24,9 +24,9 @@ from dsa_gpu_utils import (
     requires_kernels,
 )
 
-from vllm.models.kimi_k3.nvidia.ops import formats as F
-from vllm.models.kimi_k3.nvidia.ops.fused_prologue import dsa_fused_prologue
-from vllm.models.kimi_k3.nvidia.ops.indexer_k_insert import (
+from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
+from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import dsa_fused_prologue
+from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
     indexer_k_norm_quant_insert,
     k_norm_reference,
     mxfp4_k_norm_quant_insert,

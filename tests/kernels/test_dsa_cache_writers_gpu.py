@@ -21,13 +21,13 @@ from dsa_gpu_utils import (
     requires_kernels,
 )
 
-from vllm.models.kimi_k3.nvidia.ops import formats as F
-from vllm.models.kimi_k3.nvidia.ops.fused_prologue import (
+from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
+from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import (
     dsa_fused_prologue,
     fused_prologue_reference,
     mxfp4_fused_prologue,
 )
-from vllm.models.kimi_k3.nvidia.ops.indexer_k_insert import (
+from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
     indexer_k_insert_reference,
     indexer_k_norm_quant_insert,
     mxfp4_k_norm_quant_insert,

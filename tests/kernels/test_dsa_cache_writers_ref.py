@@ -6,12 +6,12 @@ CUDA insert and prologue kernels): formats, layouts, skips and fills."""
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.ops import formats as F
-from vllm.models.kimi_k3.nvidia.ops.fused_prologue import (
+from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
+from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import (
     fused_prologue_reference,
     rms_norm_reference,
 )
-from vllm.models.kimi_k3.nvidia.ops.indexer_k_insert import (
+from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
     check_slot_bounds,
     indexer_k_insert_reference,
     k_norm_reference,

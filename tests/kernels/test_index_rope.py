@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.ops.index_rope import index_rope, index_rope_ref
+from vllm.models.kimi_k3.nvidia.dsa_ops.index_rope import index_rope, index_rope_ref
 
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels)"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.ops.formats import (
+from vllm.models.kimi_k3.nvidia.dsa_ops.formats import (
     e2m1_decode,
     indexer_block_views,
     indexer_entry_bytes,
@@ -23,7 +23,7 @@ from vllm.models.kimi_k3.nvidia.ops.formats import (
     mxfp4_quantize_rows,
     use_mx_scales,
 )
-from vllm.models.kimi_k3.nvidia.ops.indexer_q_quant import (
+from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_q_quant import (
     indexer_q_quant_fold_weights,
     indexer_q_quant_fold_weights_ref,
     mxfp4_q_quant,
@@ -220,14 +220,8 @@ def test_mxfp4_triton_kernel_under_interpreter() -> None:
     pytest.importorskip("triton")
     script = textwrap.dedent(
         """
-        import sys
         import torch
-        # As tests/kernels/conftest.py: the checkout's ops beside an installed
-        # vLLM's own ops package.
-        import vllm.models.kimi_k3.nvidia.ops as pkg
-        if sys.argv[1] not in list(pkg.__path__):
-            pkg.__path__.append(sys.argv[1])
-        from vllm.models.kimi_k3.nvidia.ops import indexer_q_quant as m
+        from vllm.models.kimi_k3.nvidia.dsa_ops import indexer_q_quant as m
         torch.manual_seed(0)
         # An even row stride takes the bf16-pair path, an odd one the
         # element path; fp32 input the element path too.
@@ -251,7 +245,6 @@ def test_mxfp4_triton_kernel_under_interpreter() -> None:
             sys.executable,
             "-c",
             script,
-            str(REPO_ROOT / "vllm/models/kimi_k3/nvidia/ops"),
         ],
         env=env,
         capture_output=True,
@@ -344,7 +337,7 @@ def test_gpu_unaligned_and_other_dtypes_match_reference(dtype) -> None:
 def test_gpu_every_tiling_matches_reference(block_h, monkeypatch) -> None:
     """The heads-per-program choice (picked by token count) never changes
     the bytes."""
-    from vllm.models.kimi_k3.nvidia.ops import indexer_q_quant as mod
+    from vllm.models.kimi_k3.nvidia.dsa_ops import indexer_q_quant as mod
 
     monkeypatch.setattr(mod, "_BLOCK_H", block_h)
     torch.manual_seed(block_h)

@@ -79,7 +79,7 @@ logger = init_logger(__name__)
 # Our kernels' python entry points (the ops layer). Imported lazily: the
 # package must import where they are not built or not importable, and the
 # wrapper path needs none of them.
-OPS_PACKAGE = "vllm.models.kimi_k3.nvidia.ops"
+OPS_PACKAGE = "vllm.models.kimi_k3.nvidia.dsa_ops"
 
 
 def _ops(module: str) -> Any:

@@ -37,7 +37,7 @@ row and never matter, since the weight is zero).
 
 import torch
 
-from vllm.models.kimi_k3.nvidia.ops.formats import (
+from vllm.models.kimi_k3.nvidia.dsa_ops.formats import (
     E2M1_MAX,
     FP8_AMAX_FLOOR,
     FP8_E4M3_MAX,

@@ -33,8 +33,8 @@ default and always skipped while a CUDA graph is being captured).
 
 import torch
 
-from vllm.models.kimi_k3.nvidia.ops._extension import kimi_k3_ops
-from vllm.models.kimi_k3.nvidia.ops.formats import (
+from vllm.models.kimi_k3.nvidia.dsa_ops._extension import kimi_k3_ops
+from vllm.models.kimi_k3.nvidia.dsa_ops.formats import (
     indexer_block_views,
     indexer_fp8_entry,
     mxfp4_quantize_rows,

@@ -10,17 +10,49 @@ lazily keeps this package importable everywhere (CPU CI, config tests).
 import contextlib
 import functools
 import importlib
+import importlib.machinery
+import importlib.util
+import sys
+from pathlib import Path
 
 import torch
+
+_MODULE = "vllm._kimi_k3_C"
+
+
+def _load_checkout_build() -> bool:
+    """Load ``vllm/_kimi_k3_C*.so`` built in place beside this checkout.
+
+    An editable install maps our modules, but upstream's regular ``vllm``
+    package hides a ``vllm/_kimi_k3_C`` that is not in site-packages; the
+    in-place build (``python setup.py build_ext --inplace``) is loaded here.
+    """
+    vllm_dir = Path(__file__).resolve().parents[4]
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = vllm_dir / f"_kimi_k3_C{suffix}"
+        if not path.is_file():
+            continue
+        spec = importlib.util.spec_from_file_location(_MODULE, path)
+        if spec is None or spec.loader is None:
+            return False
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[_MODULE] = module
+        return True
+    return False
 
 
 @functools.cache
 def extension_available() -> bool:
     """Whether ``torch.ops._kimi_k3_C`` holds our kernels."""
     try:
-        importlib.import_module("vllm._kimi_k3_C")
+        importlib.import_module(_MODULE)
     except ImportError:
-        return False
+        try:
+            if not _load_checkout_build():
+                return False
+        except (ImportError, OSError):
+            return False
     return hasattr(torch.ops._kimi_k3_C, "dsa_fused_prologue")
 
 

@@ -28,9 +28,9 @@ serves the three norms (the model checks they are equal).
 
 import torch
 
-from vllm.models.kimi_k3.nvidia.ops._extension import kimi_k3_ops
-from vllm.models.kimi_k3.nvidia.ops.formats import fp8_ds_mla_entry, use_mx_scales
-from vllm.models.kimi_k3.nvidia.ops.indexer_k_insert import (
+from vllm.models.kimi_k3.nvidia.dsa_ops._extension import kimi_k3_ops
+from vllm.models.kimi_k3.nvidia.dsa_ops.formats import fp8_ds_mla_entry, use_mx_scales
+from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
     check_slot_bounds,
     k_norm_reference,
     write_indexer_entries,
