@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The overlay's wheel ships only our files into vLLM's in-tree paths."""
 
+import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,6 +20,8 @@ UPSTREAM_OWNED = (
     "vllm/models/kimi_k3/nvidia",
     "vllm/models/kimi_k3/common",
     "vllm/plugins",
+    # 0.33.0 ships nvidia/ops (attn_res); our kernels live in nvidia/dsa_ops.
+    "vllm/models/kimi_k3/nvidia/ops",
 )
 
 
@@ -28,6 +32,17 @@ def test_no_init_of_ours_in_upstream_directories():
 
 @pytest.fixture(scope="module")
 def wheel_files(tmp_path_factory) -> list[str]:
+    # Build from a copy: setuptools reuses a checkout's build/ directory, whose
+    # stale files would end up in the wheel.
+    source = tmp_path_factory.mktemp("source")
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in ("requirements", "vllm"):
+        shutil.copytree(
+            ROOT / name,
+            source / name,
+            ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info"),
+        )
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [
@@ -40,11 +55,11 @@ def wheel_files(tmp_path_factory) -> list[str]:
             "-q",
             "-w",
             str(out),
-            str(ROOT),
+            str(source),
         ],
         check=True,
         # The extension's compile is CI's separate step; here only the layout.
-        env={**__import__("os").environ, "KIMI_K3_DSA_SKIP_EXTENSION": "1"},
+        env={**os.environ, "KIMI_K3_DSA_SKIP_EXTENSION": "1"},
     )
     (wheel,) = out.glob("vllm_kimi_k3_dsa-*.whl")
     with zipfile.ZipFile(wheel) as archive:
@@ -58,7 +73,7 @@ def test_wheel_holds_our_modules_only(wheel_files):
         "vllm/models/kimi_k3/common/dsa_cache.py",
         "vllm/models/kimi_k3/common/dsa_config.py",
         "vllm/plugins/kimi_k3_dsa/__init__.py",
-        "vllm/models/kimi_k3/nvidia/ops/__init__.py",
+        "vllm/models/kimi_k3/nvidia/dsa_ops/__init__.py",
     ):
         assert module in python_files, module
     for directory in UPSTREAM_OWNED:
