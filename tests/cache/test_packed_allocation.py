@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from k3_1_specs import kimi_k3_1_specs
 
 from vllm.models.kimi_k3.common.dsa_cache import (
     KimiK3IndexerBackend,
@@ -17,51 +18,6 @@ from vllm.models.kimi_k3.common.dsa_cache import (
 from vllm.models.kimi_k3.common.dsa_kv_plan import main
 
 TP = 8
-FULL_ATTN = [*range(3, 92, 4), 92]  # 0-indexed layers 4, 8, ..., 92, 93
-
-
-def kimi_k3_1_specs(block: int) -> dict:
-    """The per-layer specs a TP 8 worker of Kimi K3.1 reports, with the
-    block_stride_alignment the runner's customize_attention_spec adds for
-    64-token kernel pages."""
-    from vllm.model_executor.layers.mamba.mamba_utils import (
-        MambaStateShapeCalculator,
-    )
-    from vllm.v1.attention.backend import MultipleOf
-    from vllm.v1.kv_cache_interface import (
-        MambaSpec,
-        MLAAttentionSpec,
-        SparseCacheRole,
-    )
-
-    specs = {}
-    for layer in range(93):
-        if layer in FULL_ATTN:
-            specs[f"l{layer}.mla"] = MLAAttentionSpec(
-                block_size=block,
-                block_stride_alignment=MultipleOf(64),
-                num_kv_heads=1,
-                head_size=576,
-                dtype=torch.uint8,
-                cache_dtype_str="fp8_ds_mla",
-                state_content_bytes=656,
-            )
-            specs[f"l{layer}.index"] = MLAAttentionSpec(
-                block_size=block,
-                block_stride_alignment=MultipleOf(64),
-                num_kv_heads=1,
-                max_tp_shards=1,
-                head_size=132,
-                dtype=torch.uint8,
-                cache_role=SparseCacheRole.INDEXER,
-            )
-        else:
-            specs[f"l{layer}.kda"] = MambaSpec(
-                block_size=block,
-                shapes=MambaStateShapeCalculator.kda_state_shape(TP, 96, 128),
-                dtypes=(torch.bfloat16, torch.float32),
-            )
-    return specs
 
 
 @pytest.fixture
@@ -80,7 +36,7 @@ def packed_kimi_k3_1(vllm_config_for, capsys):
     saved = cfg.cache_config.kv_cache_layout
     cfg.cache_config.kv_cache_layout = "BLHNC"
     try:
-        groups = _get_packed_kv_cache_groups(cfg, kimi_k3_1_specs(block))
+        groups = _get_packed_kv_cache_groups(cfg, kimi_k3_1_specs(block, TP))
         budget = 8 * 19_396_608 + 12_345  # eight blocks and change
         kv_cache_config = get_kv_cache_config_from_groups(cfg, groups, budget)
     finally:

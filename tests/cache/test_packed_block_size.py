@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from k3_1_specs import FULL_ATTN, kimi_k3_1_specs
 
 from vllm.models.kimi_k3.common import dsa_cache
 from vllm.models.kimi_k3.common.dsa_cache import (
@@ -232,10 +233,6 @@ def test_vllm_packer_puts_states_per_row_states_in_a_row(tp):
     """vLLM 0.33.0's own block-outermost packer, on Kimi K3.1's specs at our
     block size: 3 KDA state groups of 23, each group no wider than the DSA
     row (so no block grows past the row)."""
-    from vllm.model_executor.layers.mamba.mamba_utils import (
-        MambaStateShapeCalculator,
-    )
-    from vllm.v1.attention.backend import MultipleOf
     from vllm.v1.core.kv_cache_planning import (
         _get_kv_cache_bytes_per_block,
         _get_packed_kv_cache_groups,
@@ -243,43 +240,13 @@ def test_vllm_packer_puts_states_per_row_states_in_a_row(tp):
     from vllm.v1.kv_cache_interface import (
         KVCacheLayout,
         MambaSpec,
-        MLAAttentionSpec,
-        SparseCacheRole,
         UniformTypeKVCacheSpecs,
     )
 
     state_bytes = kda_state_bytes(96, 128, 4, tp)
     block = packed_block_size_from_bytes(24 * 788, 23, state_bytes, 128, tp)
-    specs = {}
-    full = list(range(3, 93, 4)) + [92]
-    for layer in range(93):
-        if layer in full:
-            # block_stride_alignment as the runner's customize_attention_spec
-            # sets it for 64-token kernel pages.
-            specs[f"l{layer}.mla"] = MLAAttentionSpec(
-                block_size=block,
-                block_stride_alignment=MultipleOf(64),
-                num_kv_heads=1,
-                head_size=576,
-                dtype=torch.uint8,
-                cache_dtype_str="fp8_ds_mla",
-                state_content_bytes=656,
-            )
-            specs[f"l{layer}.index"] = MLAAttentionSpec(
-                block_size=block,
-                block_stride_alignment=MultipleOf(64),
-                num_kv_heads=1,
-                max_tp_shards=1,
-                head_size=132,
-                dtype=torch.uint8,
-                cache_role=SparseCacheRole.INDEXER,
-            )
-        else:
-            specs[f"l{layer}.kda"] = MambaSpec(
-                block_size=block,
-                shapes=MambaStateShapeCalculator.kda_state_shape(tp, 96, 128),
-                dtypes=(torch.bfloat16, torch.float32),
-            )
+    specs = kimi_k3_1_specs(block, tp)
+    full = FULL_ATTN
     assert len(full) == 24 and sum(k.endswith(".kda") for k in specs) == 69
     cfg = SimpleNamespace(
         cache_config=SimpleNamespace(
