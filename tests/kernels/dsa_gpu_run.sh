@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds vllm._kimi_k3_C in place and runs the DSA cache-writer GPU checks:
-# the gpu-marked tests (kernels vs references, real consumers), the
+# Builds vllm._kimi_k3_C in place and runs the DSA kernels' GPU checks: every
+# gpu-marked test of tests/kernels (kernels vs references, real consumers), the
 # compute-sanitizer memcheck/racecheck driver and the graph-replay timings.
 # Logs go to ${OUT:-dsa-gpu-logs}/. Usage: bash tests/kernels/dsa_gpu_run.sh
 set -uo pipefail
@@ -15,8 +15,7 @@ timeout 300 $py setup.py build_ext --inplace >"$out/build.log" 2>&1 \
   || { tail -40 "$out/build.log"; exit 1; }
 tail -1 "$out/build.log"
 tk=tests/kernels
-timeout 420 $py -m pytest -m gpu -v -s -p no:cacheprovider -k "not bad_" \
-  $tk/test_dsa_cache_consumers_gpu.py $tk/test_dsa_cache_writers_gpu.py \
+timeout 420 $py -m pytest -m gpu -v -s -p no:cacheprovider -k "not bad_" $tk \
   2>&1 | tee "$out/pytest.log" | grep -E "FAIL|SKIP|ERROR|Error|passed|failed"
 grep -h "METRIC" "$out/pytest.log" | sed 's/.*METRIC/METRIC/' | sort | uniq -c \
   | sort -rn | head -40 >"$out/metrics.log"

@@ -5,7 +5,7 @@
 DeepGEMM ``fp8_fp4_paged_mqa_logits`` reads an indexer cache written by our
 insert kernel; FlashMLA ``sparse_decode_fwd`` reads an ``fp8_ds_mla`` cache
 written by our prologue. Both come from the vllm==0.33.0 wheel, extracted by
-``shared/tools/device-consumers.sh`` into ``.device/`` (or
+``tools/extract_vllm_consumers.sh`` into ``.device/`` (or
 ``$KIMI_K3_DEVICE_DIR``), so the tests run where vLLM is not installed.
 """
 
@@ -40,7 +40,7 @@ DEVICE_DIR = Path(
 requires_consumers = pytest.mark.skipif(
     not DEVICE_DIR.is_dir(),
     reason=f"vLLM 0.33.0 consumer kernels not found in {DEVICE_DIR} "
-    "(run shared/tools/device-consumers.sh)",
+    "(run tools/extract_vllm_consumers.sh)",
 )
 pytestmark = [pytest.mark.gpu, requires_kernels, requires_consumers]
 

@@ -391,7 +391,7 @@ def test_gpu_bad_inputs_raise(op) -> None:
 
 
 def _deep_gemm():
-    """vLLM 0.33.0's DeepGEMM, extracted by shared/tools/device-consumers.sh
+    """vLLM 0.33.0's DeepGEMM, extracted by tools/extract_vllm_consumers.sh
     into ``.device/`` at the repository root (or an importable deep_gemm)."""
     device_dir = REPO_ROOT / ".device"
     if device_dir.is_dir() and str(device_dir) not in sys.path:
