@@ -30,21 +30,21 @@ def test_no_init_of_ours_in_upstream_directories():
         assert not (ROOT / directory / "__init__.py").exists(), directory
 
 
-@pytest.fixture(scope="module")
-def wheel_files(tmp_path_factory) -> list[str]:
-    # Build from a copy: setuptools reuses a checkout's build/ directory, whose
-    # stale files would end up in the wheel.
+def build_wheel(tmp_path_factory, env: dict[str, str]) -> tuple[list[str], str]:
+    """Build the wheel from a copy of the sources (setuptools reuses a
+    checkout's build/ directory, whose stale files would end up in it);
+    return its file names and pip's output."""
     source = tmp_path_factory.mktemp("source")
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    for name in ("requirements", "vllm"):
+    for name in ("requirements", "vllm", "csrc"):
         shutil.copytree(
             ROOT / name,
             source / name,
             ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info"),
         )
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
+    result = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -52,18 +52,42 @@ def wheel_files(tmp_path_factory) -> list[str]:
             "wheel",
             "--no-deps",
             "--no-build-isolation",
-            "-q",
+            "-v",
             "-w",
             str(out),
             str(source),
         ],
-        check=True,
-        # The extension's compile is CI's separate step; here only the layout.
-        env={**os.environ, "KIMI_K3_DSA_SKIP_EXTENSION": "1"},
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
     )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (wheel,) = out.glob("vllm_kimi_k3_dsa-*.whl")
     with zipfile.ZipFile(wheel) as archive:
-        return archive.namelist()
+        return archive.namelist(), result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel_files(tmp_path_factory) -> list[str]:
+    # The extension's compile is CI's install step; here only the layout.
+    files, _ = build_wheel(tmp_path_factory, {"KIMI_K3_DSA_SKIP_EXTENSION": "1"})
+    return files
+
+
+def test_install_without_nvcc_skips_the_extension(tmp_path_factory):
+    # A machine without a CUDA toolkit: no nvcc on PATH, no CUDA_HOME.
+    path = os.pathsep.join(
+        d
+        for d in os.environ.get("PATH", "").split(os.pathsep)
+        if d and not (Path(d) / "nvcc").exists()
+    )
+    files, output = build_wheel(
+        tmp_path_factory,
+        {"PATH": path, "CUDA_HOME": str(tmp_path_factory.mktemp("no-cuda"))},
+    )
+    assert "building without vllm._kimi_k3_C (no CUDA toolkit (nvcc) found)" in output
+    assert not any("_kimi_k3_C" in f for f in files)
+    assert "vllm/models/kimi_k3/nvidia/dsa.py" in files
 
 
 def test_wheel_holds_our_modules_only(wheel_files):
