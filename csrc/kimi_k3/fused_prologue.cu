@@ -60,23 +60,37 @@ struct PrologueArgs {
   bool topk_vec;
 };
 
-__device__ __forceinline__ void rms_chunk_out(float* v, const __nv_bfloat16* w,
+// Weights are loaded raw before the reduction so that their latency overlaps
+// the inputs' (after the reduction they would be a second dependent load).
+__device__ __forceinline__ void rms_chunk_out(float* v, const uint4& w_raw,
                                               float r, __nv_bfloat16* out) {
-  float wf[8];
-  load_bf16x8(w, wf);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w_raw);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = v[i] * r * wf[i];
+  for (int i = 0; i < 4; ++i) {
+    const float2 wf = __bfloat1622float2(h[i]);
+    v[2 * i] = v[2 * i] * r * wf.x;
+    v[2 * i + 1] = v[2 * i + 1] * r * wf.y;
+  }
   *reinterpret_cast<uint4*>(out) = round_bf16x8(v);
+}
+
+__device__ __forceinline__ uint4 load_raw16(const __nv_bfloat16* p) {
+  return *reinterpret_cast<const uint4*>(p);
 }
 
 __device__ __forceinline__ void q_norm(const PrologueArgs& a, int64_t t,
                                        int lane) {
   constexpr int kChunks = kQDim / 8 / 32;  // 6 per lane
   float v[kChunks][8];
-  float ss = 0.f;
+  uint4 w[kChunks];
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) {
     load_bf16x8(a.q_c + t * a.q_stride + 8 * (lane + 32 * i), v[i]);
+    w[i] = load_raw16(a.q_w + 8 * (lane + 32 * i));
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) ss += v[i][j] * v[i][j];
   }
@@ -84,7 +98,7 @@ __device__ __forceinline__ void q_norm(const PrologueArgs& a, int64_t t,
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) {
     const int c = lane + 32 * i;
-    rms_chunk_out(v[i], a.q_w + 8 * c, r, a.q_out + t * kQDim + 8 * c);
+    rms_chunk_out(v[i], w[i], r, a.q_out + t * kQDim + 8 * c);
   }
 }
 
@@ -95,17 +109,23 @@ __device__ __forceinline__ void kv_norm_mla_insert(const PrologueArgs& a,
   const int c0 = lane, c1 = lane + 32;  // chunk c holds values 8c..8c+7
   load_bf16x8(a.kv_c + t * a.kv_stride + 8 * c0, v0);
   load_bf16x8(a.kv_c + t * a.kv_stride + 8 * c1, v1);
+  const uint4 w0 = load_raw16(a.kv_w + 8 * c0), w1 = load_raw16(a.kv_w + 8 * c1);
+  // The slot and k_pe too: read after the norm they would delay the stores.
+  const int64_t slot =
+      a.mla_cache == nullptr
+          ? -1
+          : checked_slot(static_cast<const SlotT*>(a.mla_slots), a.n_mla_slots,
+                         t, a.mla_cache_slots);
+  const bool pe_lane = lane < kRopeDim / 8;
+  const uint4 pe = a.mla_cache != nullptr && pe_lane ? load_raw16(a.k_pe + t * a.pe_stride + 8 * lane)
+                                        : make_uint4(0, 0, 0, 0);
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) ss += v0[j] * v0[j] + v1[j] * v1[j];
   const float r = 1.f / sqrtf(group_sum<32>(ss) / kKvDim + a.eps);
-  rms_chunk_out(v0, a.kv_w + 8 * c0, r, a.kv_out + t * kKvDim + 8 * c0);
-  rms_chunk_out(v1, a.kv_w + 8 * c1, r, a.kv_out + t * kKvDim + 8 * c1);
-  if (a.mla_cache == nullptr) return;
-  const int64_t slot =
-      checked_slot(static_cast<const SlotT*>(a.mla_slots), a.n_mla_slots, t,
-                   a.mla_cache_slots);
-  if (slot < 0) return;  // uniform over the warp
+  rms_chunk_out(v0, w0, r, a.kv_out + t * kKvDim + 8 * c0);
+  rms_chunk_out(v1, w1, r, a.kv_out + t * kKvDim + 8 * c1);
+  if (slot < 0) return;  // uniform over the warp (also: no cache)
 
   // Tiles of 128 values = 16 chunks: lanes 0-15 own tiles 0 and 2, lanes
   // 16-31 tiles 1 and 3.
@@ -129,9 +149,8 @@ __device__ __forceinline__ void kv_norm_mla_insert(const PrologueArgs& a,
     *reinterpret_cast<float4*>(entry + kDsMlaScaleOff) =
         make_float4(exp2i(e0), s1, exp2i(e1), s3);
   }
-  if (lane < kRopeDim / 8) {
-    *reinterpret_cast<uint4*>(entry + kDsMlaRopeOff + 16 * lane) =
-        *reinterpret_cast<const uint4*>(a.k_pe + t * a.pe_stride + 8 * lane);
+  if (pe_lane) {
+    *reinterpret_cast<uint4*>(entry + kDsMlaRopeOff + 16 * lane) = pe;
   }
 }
 
