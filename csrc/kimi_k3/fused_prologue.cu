@@ -109,7 +109,8 @@ __device__ __forceinline__ void kv_norm_mla_insert(const PrologueArgs& a,
   const int c0 = lane, c1 = lane + 32;  // chunk c holds values 8c..8c+7
   load_bf16x8(a.kv_c + t * a.kv_stride + 8 * c0, v0);
   load_bf16x8(a.kv_c + t * a.kv_stride + 8 * c1, v1);
-  const uint4 w0 = load_raw16(a.kv_w + 8 * c0), w1 = load_raw16(a.kv_w + 8 * c1);
+  const uint4 w0 = load_raw16(a.kv_w + 8 * c0);
+  const uint4 w1 = load_raw16(a.kv_w + 8 * c1);
   // The slot and k_pe too: read after the norm they would delay the stores.
   const int64_t slot =
       a.mla_cache == nullptr
@@ -117,8 +118,9 @@ __device__ __forceinline__ void kv_norm_mla_insert(const PrologueArgs& a,
           : checked_slot(static_cast<const SlotT*>(a.mla_slots), a.n_mla_slots,
                          t, a.mla_cache_slots);
   const bool pe_lane = lane < kRopeDim / 8;
-  const uint4 pe = a.mla_cache != nullptr && pe_lane ? load_raw16(a.k_pe + t * a.pe_stride + 8 * lane)
-                                        : make_uint4(0, 0, 0, 0);
+  const uint4 pe = a.mla_cache != nullptr && pe_lane
+                       ? load_raw16(a.k_pe + t * a.pe_stride + 8 * lane)
+                       : make_uint4(0, 0, 0, 0);
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) ss += v0[j] * v0[j] + v1[j] * v1[j];
