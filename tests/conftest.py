@@ -6,12 +6,24 @@ On a machine without a GPU, vLLM's ``current_platform`` is
 ``VLLM_TARGET_DEVICE=cpu`` it is ``CpuPlatform``, and
 ``EngineArgs(...).create_engine_config()`` runs the whole configuration path a
 user's ``vllm serve`` takes (HF config parsing, the model verifiers, the
-general plugins). Set before anything imports vLLM.
+general plugins). Set before anything imports vLLM, and only where no CUDA
+device is visible.
 """
 
 import os
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+def _cuda_device_present() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# The GPU suites (tests/kernels, tests/e2e) run on the CUDA platform.
+if "VLLM_TARGET_DEVICE" not in os.environ and not _cuda_device_present():
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402

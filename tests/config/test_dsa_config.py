@@ -17,7 +17,9 @@ from vllm.models.kimi_k3.common.dsa_config import (
 )
 from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
     TINY_DSA_CONFIG,
+    tiny_multimodal_config,
     tiny_text_config,
+    write_tiny_config,
 )
 
 ROPE_MODEL = {"mla_use_nope": False}
@@ -101,7 +103,20 @@ BAD_CHECKPOINTS = [
         "topk-zero",
         {"dsa_config": dsa(index_topk=0)},
         ValueError,
-        r"index_topk must be a positive integer, got 0",
+        r"index_topk must be a positive multiple of 128 \(vLLM's FlashMLA sparse "
+        r"backend .*\), got 0",
+    ),
+    (
+        "topk-64",
+        {"dsa_config": dsa(index_topk=64)},
+        ValueError,
+        r"index_topk must be a positive multiple of 128 .* got 64",
+    ),
+    (
+        "topk-above-positions",
+        {"dsa_config": dsa(index_topk=10_000_000)},
+        ValueError,
+        r"index_topk \(10000000\) must not exceed max_position_embeddings \(4096\)",
     ),
     (
         "topk-string",
@@ -181,6 +196,38 @@ BAD_CHECKPOINTS = [
         r"unknown field\(s\) \['index_n_heads'\]",
     ),
     (
+        "kv-lora-256",
+        {"kv_lora_rank": 256},
+        ValueError,
+        r"kv_lora_rank must be 512 for Kimi-K3.1 DSA, got 256: FlashMLA sparse "
+        r"reads the fp8_ds_mla cache as 512 latent \+ 64 rope values",
+    ),
+    (
+        "kv-lora-missing",
+        {"kv_lora_rank": None},
+        ValueError,
+        r"kv_lora_rank must be 512 for Kimi-K3.1 DSA, got None",
+    ),
+    (
+        "rope-dim-0",
+        {"qk_rope_head_dim": 0},
+        ValueError,
+        r"qk_rope_head_dim must be 64 for Kimi-K3.1 DSA, got 0",
+    ),
+    (
+        "v-head-dim-missing",
+        {"v_head_dim": None},
+        ValueError,
+        r"v_head_dim must be a positive integer for Kimi-K3.1 DSA \(MLA\), got None",
+    ),
+    (
+        "mla-rope",
+        {"mla_use_nope": False},
+        ValueError,
+        r"mla_use_nope must be true for Kimi-K3.1 DSA: vLLM 0.33.0's Kimi K3 "
+        r"decoder layer builds NoPE MLA layers only",
+    ),
+    (
         "not-an-object",
         {"dsa_config": [2048, 128, 32]},
         ValueError,
@@ -241,7 +288,9 @@ BAD_FLAGS = [
         "mxfp4-rope",
         {"attention_config": {"indexer_kv_dtype": "mxfp4"}},
         {**ROPE_MODEL, "dsa_config": dsa(index_rope_dim=32)},
-        r"needs the fused Kimi K3 DSA key insert .* index_rope_dim=32",
+        # Indexer rope needs a rope MLA, which vLLM 0.33.0 cannot build: the
+        # NoPE rule refuses first.
+        r"mla_use_nope must be true for Kimi-K3.1 DSA",
     ),
 ]
 
@@ -348,7 +397,7 @@ def test_dsa_config_parsed(tiny_checkpoint, engine_config):
     )
     assert parsed.index_layers == (5, 4)
     # 0.33.0's FlashMLA sparse metadata builder reads the top-level field.
-    assert text_config.index_topk == 64
+    assert text_config.index_topk == 128
     with pytest.raises(AttributeError):
         parsed.index_topk = 1  # type: ignore[misc]
 
@@ -370,7 +419,7 @@ def test_pickle_and_json_round_trip(tiny_checkpoint, engine_config):
     # vLLM pickles the whole engine config to its engine core and workers.
     clone = pickle.loads(pickle.dumps(config)).model_config.hf_text_config
     assert clone.dsa_config == text_config.dsa_config
-    assert clone.index_topk == 64
+    assert clone.index_topk == 128
     for use_diff in (True, False):
         as_json = json.loads(text_config.to_json_string(use_diff=use_diff))
         assert as_json["dsa_config"] == {**TINY_DSA_CONFIG, "index_layers": [4, 5]}
@@ -411,12 +460,98 @@ def test_multimodal_kimi_k3_config_path(tmp_path):
     assert isinstance(config, KimiK3Config)
     assert isinstance(config, KimiK3DSAConfig)
     assert config.text_config.dsa_config == DSAConfig.from_dict(TINY_DSA_CONFIG)
-    assert config.get_text_config().index_topk == 64
+    assert config.get_text_config().index_topk == 128
     reloaded = pickle.loads(pickle.dumps(config))
     assert reloaded.text_config.dsa_config == config.text_config.dsa_config
     assert (
         json.loads(config.to_json_string())["text_config"]["dsa_config"][
             "index_num_heads"
         ]
-        == 4
+        == 32
     )
+
+
+def test_dcp_needs_a_topk_the_merge_takes(tiny_checkpoint, engine_config):
+    config = engine_config(tiny_checkpoint())
+    # DCP > 1 needs several ranks to configure; the rule reads only this field.
+    config.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(
+        ValueError,
+        match=r"--decode-context-parallel-size 2 needs dsa_config.index_topk in "
+        r"\[512, 1024, 2048\] \(vLLM's DCP top-k merge, _merge_dcp_topk_global\), "
+        r"got 128",
+    ):
+        verify_dsa_vllm_config(config)
+    config = engine_config(tiny_checkpoint(dsa_config=dsa(index_topk=2048)))
+    config.parallel_config.decode_context_parallel_size = 2
+    verify_dsa_vllm_config(config)
+
+
+def _multimodal_checkpoint(path, **top_level):
+    path.mkdir()
+    config = {**tiny_multimodal_config(dsa=False), **top_level}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_multimodal_top_level_dsa_config_refused(tmp_path, engine_config):
+    path = _multimodal_checkpoint(tmp_path / "mm", dsa_config=dict(TINY_DSA_CONFIG))
+    with pytest.raises(
+        ValueError,
+        match=r"dsa_config is at the top level of a KimiK3ForConditionalGeneration "
+        r"config.json; it belongs in text_config",
+    ):
+        engine_config(path)
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["text", "multimodal"])
+def test_null_dsa_config_keeps_the_config_hash(tmp_path, engine_config, multimodal):
+    """``"dsa_config": null`` is plain Kimi K3: the same config and hash."""
+    hashes = []
+    for null in (False, True):
+        path = tmp_path / "ckpt"  # one path: the model path enters the hash
+        if multimodal:
+            extra = {"dsa_config": None} if null else {}
+            config = {**tiny_multimodal_config(dsa=False), **extra}
+            config["text_config"].update(extra)
+            path.mkdir(exist_ok=True)
+            (path / "config.json").write_text(json.dumps(config))
+        else:
+            write_tiny_config(path, dsa=False, **({"dsa_config": None} if null else {}))
+        vllm_config = engine_config(path)
+        hashes.append(
+            (
+                vllm_config.compute_hash(),
+                vllm_config.model_config.hf_config.to_json_string(),
+            )
+        )
+    assert hashes[0] == hashes[1]
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("0", False), ("1", True), ("true", True), ("False", False), (" 1 ", True)],
+)
+def test_force_wrapper_env_values(monkeypatch, raw, expected):
+    from vllm.models.kimi_k3.common.dsa_config import (
+        FORCE_WRAPPER_ENV,
+        force_wrapper_forward,
+    )
+
+    monkeypatch.setenv(FORCE_WRAPPER_ENV, raw)
+    assert force_wrapper_forward() is expected
+
+
+def test_force_wrapper_env_bad_value_refused(monkeypatch):
+    from vllm.models.kimi_k3.common.dsa_config import (
+        FORCE_WRAPPER_ENV,
+        force_wrapper_forward,
+    )
+
+    monkeypatch.setenv(FORCE_WRAPPER_ENV, "yes")
+    with pytest.raises(
+        ValueError,
+        match=r"VLLM_KIMI_K3_DSA_FORCE_WRAPPER='yes' is not understood: accepted "
+        r"values are \['0', '1', 'false', 'true'\]",
+    ):
+        force_wrapper_forward()

@@ -25,7 +25,7 @@ import torch
 D = pytest.importorskip("vllm.models.kimi_k3.nvidia.dsa")
 LL = pytest.importorskip("vllm.models.kimi_k3.nvidia.dsa_low_latency")
 
-TOPK = 64  # the tiny dsa_config's index_topk
+TOPK = 128  # the tiny dsa_config's index_topk
 
 
 class LogRecorder:
@@ -96,9 +96,9 @@ def build_indexer(env, **overrides: Any):
     kwargs: dict[str, Any] = dict(
         vllm_config=env.vllm_config,
         hidden_size=256,
-        index_q_input_size=128,
+        index_q_input_size=1536,
         index_head_dim=128,
-        index_num_heads=4,
+        index_num_heads=32,
         index_topk=TOPK,
         rms_norm_eps=1e-5,
         index_rope_dim=0,
@@ -131,8 +131,9 @@ def test_q_lora_layer_shapes(dsa_layer_env):
     assert layer.g_proj.weight.shape == (heads * 128, hidden)
     assert not hasattr(layer, "q_proj") and not hasattr(layer, "kv_a_proj_with_mqa")
     indexer = layer.dsa_indexer
-    assert indexer.wq_index.weight.shape == (4 * 128, q_lora)
-    assert indexer.wkv_index.weight.shape == (128 + 4, hidden)
+    index_heads = config.dsa_config.index_num_heads
+    assert indexer.wq_index.weight.shape == (index_heads * 128, q_lora)
+    assert indexer.wkv_index.weight.shape == (128 + index_heads, hidden)
     assert isinstance(indexer.k_index_norm, D.KimiK3DSAIndexerKNorm)
     assert indexer.k_index_norm.weight.dtype == torch.float32
     assert indexer.k_index_norm.bias.shape == (128,)
@@ -163,13 +164,14 @@ def test_q_lora_layer_shapes(dsa_layer_env):
 def test_no_q_lora_layer_shapes(dsa_layer_env):
     config = dsa_layer_env.text_config(q_lora_rank=None)
     layer = build(dsa_layer_env, config)
-    hidden = config.hidden_size
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    index_heads = config.dsa_config.index_num_heads
     assert layer.kv_a_proj_with_mqa.weight.shape == (512 + 64, hidden)
-    assert layer.q_proj.weight.shape == (4 * 192, hidden)
+    assert layer.q_proj.weight.shape == (heads * 192, hidden)
     assert not hasattr(layer, "fused_qkv_a_proj")
     assert not hasattr(layer, "q_a_layernorm")
     # The indexer query reads hidden_states.
-    assert layer.dsa_indexer.wq_index.weight.shape == (4 * 128, hidden)
+    assert layer.dsa_indexer.wq_index.weight.shape == (index_heads * 128, hidden)
     assert layer.mla_attn.q_proj is layer.q_proj
     assert layer.mla_attn.fused_qkv_a_proj is None
 
@@ -552,14 +554,14 @@ def test_pack_projections_makes_views(dsa_layer_env, extension):
     layer.pack_projections()
     assert layer._packed is not None
     packed_in, packed_q = layer._packed
-    assert packed_in.shape == (128 + 512 + 64 + 128 + 4, 256)
-    assert packed_q.shape == (4 * 192 + 4 * 128, 128)
+    assert packed_in.shape == (1536 + 512 + 64 + 128 + 32, 256)
+    assert packed_q.shape == (4 * 192 + 32 * 128, 1536)
     after = weights(layer)
     # Values kept; each linear a view of its packed weight, in order.
     for name, w in after.items():
         torch.testing.assert_close(w, before[name], rtol=0, atol=0)
     assert after["fused_qkv_a_proj"].data_ptr() == packed_in.data_ptr()
-    assert after["wkv_index"].data_ptr() == packed_in[128 + 576 :].data_ptr()
+    assert after["wkv_index"].data_ptr() == packed_in[1536 + 576 :].data_ptr()
     assert after["q_b_proj"].data_ptr() == packed_q.data_ptr()
     assert after["wq_index"].data_ptr() == packed_q[4 * 192 :].data_ptr()
     for name in ("fused_qkv_a_proj", "wkv_index"):
@@ -607,9 +609,9 @@ def test_pack_projections_rerun_is_noop_and_reload_refills_views(
         layer.dsa_indexer.wkv_index.weight, new[128:], 1
     )
     layer.pack_projections()
-    torch.testing.assert_close(layer._packed[0][128 + 576 :], new, rtol=0, atol=0)
+    torch.testing.assert_close(layer._packed[0][1536 + 576 :], new, rtol=0, atol=0)
     assert layer.dsa_indexer.wkv_index.weight.data_ptr() == (
-        layer._packed[0][128 + 576 :].data_ptr()
+        layer._packed[0][1536 + 576 :].data_ptr()
     )
 
 
@@ -620,7 +622,7 @@ def test_pack_projections_requests_warmup(dsa_layer_env, extension, monkeypatch)
     )
     layer = build(dsa_layer_env)
     layer.pack_projections()
-    assert calls == [(128 + 512 + 64 + 128 + 4, 256), (4 * 192 + 4 * 128, 128)]
+    assert calls == [(1536 + 512 + 64 + 128 + 32, 256), (4 * 192 + 32 * 128, 1536)]
 
 
 def _assert_declined(layer, snapshot) -> None:
@@ -869,13 +871,15 @@ def test_indexer_forward_dummy_run_calls_op(dsa_layer_env, monkeypatch, k_norm):
     layer = build(
         dsa_layer_env,
         dsa_layer_env.text_config(
-            dsa_config=dsa_layer_env.dsa_config(index_k_norm_type=k_norm)
+            dsa_config=dsa_layer_env.dsa_config(
+                index_k_norm_type=k_norm, index_num_heads=24
+            )
         ),
     )
     cpu_post_load(layer)
     indexer = layer.dsa_indexer
     hidden = torch.randn(5, 256)
-    q_c = torch.randn(5, 128)
+    q_c = torch.randn(5, 1536)
     with set_forward_context(None, dsa_layer_env.vllm_config):
         out = indexer(hidden, q_c)
     assert out is indexer.topk_indices_buffer
@@ -884,7 +888,7 @@ def test_indexer_forward_dummy_run_calls_op(dsa_layer_env, monkeypatch, k_norm):
     assert q_quant.shape == (5, 32, 128) and q_quant.dtype == torch.float8_e4m3fn
     assert q_scale is None
     assert weights.shape == (5, 32) and weights.dtype == torch.float32
-    assert torch.all(weights[:, 4:] == 0)
+    assert torch.all(weights[:, 24:] == 0)
     fused = k_norm == "layernorm"
     assert indexer.use_fused_k_insert is fused
     assert (k is None) is fused
@@ -921,7 +925,7 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
     assert layer._packed is not None
 
     calls: dict[str, Any] = {}
-    q_c_normed = torch.randn(3, 128)
+    q_c_normed = torch.randn(3, 1536)
     kv_c_normed = torch.randn(3, 512)
 
     def prologue(*args):
@@ -949,9 +953,9 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
 
     args = calls["prologue"]
     q_c, kv_c, k_pe, index_k = args[:4]
-    torch.testing.assert_close(q_c, expected_qkv_a[:, :128])
-    torch.testing.assert_close(kv_c, expected_qkv_a[:, 128:640])
-    torch.testing.assert_close(k_pe, expected_qkv_a[:, 640:])
+    torch.testing.assert_close(q_c, expected_qkv_a[:, :1536])
+    torch.testing.assert_close(kv_c, expected_qkv_a[:, 1536:2048])
+    torch.testing.assert_close(k_pe, expected_qkv_a[:, 2048:])
     torch.testing.assert_close(index_k, expected_wkv[:, :128])
     assert args[4] is layer.q_a_layernorm.weight
     assert args[5] is layer.kv_a_layernorm.weight
@@ -965,7 +969,7 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
     assert score_hidden is hidden and score_k is None
     torch.testing.assert_close(index_weights, expected_wkv[:, 128:])
     expected_index_q = q_c_normed @ indexer.wq_index.weight.T
-    torch.testing.assert_close(index_q, expected_index_q.view(3, 4, 128))
+    torch.testing.assert_close(index_q, expected_index_q.view(3, 32, 128))
     assert calls["ready"] is True
 
     q, kv, k_pe_arg, output, layer_name = calls["mla"]
@@ -973,7 +977,7 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
     torch.testing.assert_close(q, expected_q)
     assert kv is kv_c_normed
     assert k_pe_arg.shape == (3, 1, 64)
-    torch.testing.assert_close(k_pe_arg[:, 0], expected_qkv_a[:, 640:])
+    torch.testing.assert_close(k_pe_arg[:, 0], expected_qkv_a[:, 2048:])
     from vllm.utils.torch_utils import _resolve_layer_name
 
     assert _resolve_layer_name(layer_name) == layer.mla_attn.mla_attn.layer_name
@@ -1094,7 +1098,7 @@ def test_indexer_forward_dummy_run_with_index_rope(dsa_layer_env, monkeypatch):
     assert not indexer.use_fused_k_insert
     positions = torch.arange(4)
     with set_forward_context(None, dsa_layer_env.vllm_config):
-        indexer(torch.randn(4, 256), torch.randn(4, 128), positions, layer.rotary_emb)
+        indexer(torch.randn(4, 256), torch.randn(4, 1536), positions, layer.rotary_emb)
     assert rotations == [32]
     assert seen["args"][5].shape == (4, 128)  # the normed, rotated key
     assert seen["args"][14] is False  # the op inserts it

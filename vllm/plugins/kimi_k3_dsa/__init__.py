@@ -14,6 +14,9 @@ Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
 =======================  =====================================================
 ``hf_config``            ``transformers_utils/config.py`` ``_CONFIG_REGISTRY``
                          -> a ``dsa_config`` field on ``KimiLinearConfig``
+``envs``                 ``envs.py`` ``environment_variables`` -> our
+                         ``VLLM_KIMI_K3_DSA_FORCE_WRAPPER`` (part of the
+                         torch.compile cache key)
 ``config_verifier``      ``model_executor/models/config.py``
                          ``MODELS_CONFIG_MAP`` -> DSA rules and ``fp8_ds_mla``
                          in the Kimi K3 verifier
@@ -65,6 +68,7 @@ REQUIRED_VLLM_VERSION = "0.33.0"
 # Applied in this order; each module exposes an idempotent ``apply()``.
 PATCH_MODULES: tuple[str, ...] = (
     "hf_config",
+    "envs",
     "config_verifier",
     "packed_layout_check",
     "block_size",

@@ -17,6 +17,7 @@ as vLLM 0.33.0's: ``config.dsa_config is None`` and nothing else changes.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,16 @@ INDEX_K_NORM_TYPES = ("rmsnorm", "layernorm")
 # more.
 MAX_INDEX_NUM_HEADS = 64
 INDEX_HEAD_DIM_MULTIPLE = 32
+# vLLM 0.33.0's FlashMLA sparse backend turns each top-k row into cache slots
+# with triton_convert_req_index_to_global_index, 128 columns per tile.
+INDEX_TOPK_MULTIPLE = 128
+# vLLM 0.33.0's DCP top-k merge (_merge_dcp_topk_global: CuteDSL stable
+# top-k selector) takes only these.
+DCP_INDEX_TOPK_VALUES = (512, 1024, 2048)
+# The latent FlashMLA sparse reads from an fp8_ds_mla entry: 512 quantized
+# values and 64 bf16 rope values.
+SPARSE_MLA_KV_LORA_RANK = 512
+SPARSE_MLA_ROPE_DIM = 64
 # Cache dtypes a user may ask for, and what each becomes for a DSA model: the
 # FlashMLA sparse kernels read only the fp8_ds_mla format.
 DSA_CACHE_DTYPES: dict[str, str] = {
@@ -45,6 +56,13 @@ DSA_CACHE_DTYPES: dict[str, str] = {
 }
 # Indexer key dtypes (--attention-config '{"indexer_kv_dtype": ...}').
 DSA_INDEXER_KV_DTYPES = ("auto", "fp8", "mxfp4")
+# Ours: set to 1 to serve DSA layers with the wrapper forward and vLLM's
+# unfused key insert (upstream ops only, none of vllm._kimi_k3_C's kernels),
+# e.g. to compare that path with the fused forward on the same checkpoint. It
+# changes the compiled graph, so the plugin registers it with vLLM's
+# environment variables (part of the torch.compile cache key).
+FORCE_WRAPPER_ENV = "VLLM_KIMI_K3_DSA_FORCE_WRAPPER"
+_ENV_BOOLS = {"0": False, "false": False, "1": True, "true": True}
 ROCM_REASON = (
     "Kimi-K3.1 DSA requires the CUDA FlashMLA sparse / DeepGEMM indexer "
     "kernels; ROCm is not supported."
@@ -110,10 +128,12 @@ class DSAConfig:
         for name in ("index_topk", "index_head_dim", "index_num_heads"):
             _require_int(name, getattr(self, name))
         _require_int("index_rope_dim", self.index_rope_dim)
-        if self.index_topk <= 0:
+        if self.index_topk <= 0 or self.index_topk % INDEX_TOPK_MULTIPLE:
             raise ValueError(
-                f"dsa_config.index_topk must be a positive integer, got "
-                f"{self.index_topk}"
+                "dsa_config.index_topk must be a positive multiple of "
+                f"{INDEX_TOPK_MULTIPLE} (vLLM's FlashMLA sparse backend converts "
+                f"top-k rows to cache slots {INDEX_TOPK_MULTIPLE} columns at a "
+                f"time), got {self.index_topk}"
             )
         if (
             self.index_head_dim <= 0
@@ -207,6 +227,13 @@ def check_dsa_model(dsa: DSAConfig, text_config: KimiLinearConfig) -> None:
             f"dsa_config.index_rope_dim ({dsa.index_rope_dim}) must be 0 when "
             "mla_use_nope is true (there is no rotary cache to share)"
         )
+    max_positions = getattr(text_config, "max_position_embeddings", None)
+    if isinstance(max_positions, int) and dsa.index_topk > max_positions:
+        raise ValueError(
+            f"dsa_config.index_topk ({dsa.index_topk}) must not exceed "
+            f"max_position_embeddings ({max_positions}): no context holds more "
+            "tokens to select, and the top-k buffer grows with index_topk"
+        )
     full_attn = full_attention_layers(text_config)
     linear_attn_config = text_config.linear_attn_config
     declared = (
@@ -225,6 +252,37 @@ def check_dsa_model(dsa: DSAConfig, text_config: KimiLinearConfig) -> None:
             f"dsa_config.index_layers ({list(dsa.index_layers)}) must equal the "
             f"full-attention layers {list(full_attn)} "
             "(linear_attn_config['full_attn_layers'], 1-indexed)"
+        )
+
+
+def check_dsa_serving(text_config: KimiLinearConfig) -> None:
+    """The rules vLLM 0.33.0's kernels and Kimi K3 decoder impose on a DSA
+    model's attention (checked when serving and when planning, not when a
+    config object is merely built)."""
+    for name in ("qk_nope_head_dim", "v_head_dim"):
+        value = getattr(text_config, name, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(
+                f"{name} must be a positive integer for Kimi-K3.1 DSA (MLA), got "
+                f"{value!r}"
+            )
+    for name, needed in (
+        ("kv_lora_rank", SPARSE_MLA_KV_LORA_RANK),
+        ("qk_rope_head_dim", SPARSE_MLA_ROPE_DIM),
+    ):
+        value = getattr(text_config, name, None)
+        if value != needed or isinstance(value, bool):
+            raise ValueError(
+                f"{name} must be {needed} for Kimi-K3.1 DSA, got {value!r}: "
+                "FlashMLA sparse reads the fp8_ds_mla cache as "
+                f"{SPARSE_MLA_KV_LORA_RANK} latent + {SPARSE_MLA_ROPE_DIM} rope "
+                "values per token"
+            )
+    if not getattr(text_config, "mla_use_nope", False):
+        raise ValueError(
+            "mla_use_nope must be true for Kimi-K3.1 DSA: vLLM 0.33.0's Kimi K3 "
+            "decoder layer builds NoPE MLA layers only (it asserts this before "
+            f"any DSA layer exists), got {text_config.mla_use_nope!r}"
         )
 
 
@@ -271,9 +329,28 @@ class KimiK3DSAConfig(KimiK3Config):
     def __init__(
         self, text_config: Mapping[str, Any] | KimiLinearConfig | None = None, **kw
     ):
+        # A top-level null is harmless: dropped so it changes nothing.
+        if kw.pop("dsa_config", None) is not None:
+            raise ValueError(
+                "dsa_config is at the top level of a KimiK3ForConditionalGeneration "
+                "config.json; it belongs in text_config (text_config.dsa_config), "
+                "where the language model reads it"
+            )
         if isinstance(text_config, Mapping):
             text_config = KimiLinearDSAConfig(**text_config)
         super().__init__(text_config=text_config, **kw)
+
+
+def force_wrapper_forward() -> bool:
+    """Whether :data:`FORCE_WRAPPER_ENV` asks for the upstream-ops path."""
+    raw = os.environ.get(FORCE_WRAPPER_ENV, "0")
+    value = _ENV_BOOLS.get(raw.strip().lower())
+    if value is None:
+        raise ValueError(
+            f"{FORCE_WRAPPER_ENV}={raw!r} is not understood: accepted values are "
+            f"{sorted(_ENV_BOOLS)}"
+        )
+    return value
 
 
 def is_dsa_model(text_config: Any) -> bool:
@@ -344,6 +421,18 @@ def check_decode_backend(vllm_config: VllmConfig) -> None:
         )
 
 
+def check_dsa_parallelism(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
+    """Decode context parallelism merges each rank's top-k with vLLM's DCP
+    merge, which takes only a few top-k widths."""
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    if dcp > 1 and dsa.index_topk not in DCP_INDEX_TOPK_VALUES:
+        raise ValueError(
+            f"--decode-context-parallel-size {dcp} needs dsa_config.index_topk in "
+            f"{list(DCP_INDEX_TOPK_VALUES)} (vLLM's DCP top-k merge, "
+            f"_merge_dcp_topk_global), got {dsa.index_topk}"
+        )
+
+
 def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
     """Refuse what cannot be served and force the cache format, for a Kimi
     K3.1 model; a no-op for any other model.
@@ -365,7 +454,9 @@ def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
     dsa: DSAConfig = text_config.dsa_config
     check_decode_backend(vllm_config)
     check_dsa_model(dsa, text_config)
+    check_dsa_serving(text_config)
     check_indexer_kv_dtype(vllm_config, dsa)
+    check_dsa_parallelism(vllm_config, dsa)
     cache_config = vllm_config.cache_config
     requested = cache_config.cache_dtype
     resolved = resolve_dsa_cache_dtype(requested)

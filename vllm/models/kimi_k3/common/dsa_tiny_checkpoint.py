@@ -2,9 +2,13 @@
 """A tiny random Kimi K3.1 checkpoint, for tests and for smoke-testing
 ``vllm serve`` on one GPU.
 
-The config keeps every dimension that a kernel or cache format fixes (the MLA
-latent of 512 + 64 for ``fp8_ds_mla``, indexer head dim 128) and shrinks the
-rest: a few layers with both KDA and DSA layers and one MTP layer.
+The config keeps every dimension that a kernel or cache format fixes, so that
+a smoke test on one GPU drives the fused forward and our kernels: the MLA
+latent of 512 + 64 for ``fp8_ds_mla``, q-LoRA rank 1536 (the fused prologue),
+32 indexer heads of dim 128 (DeepGEMM's width; 16-byte GEMM rows) and a top-k
+that vLLM's FlashMLA sparse index conversion takes (a multiple of 128). It
+shrinks the rest: a few layers with both KDA and DSA layers and one MTP
+layer.
 :func:`write_tiny_checkpoint` writes ``config.json`` plus random weights in the
 real checkpoint naming (``model.safetensors``): the text-only
 ``KimiLinearForCausalLM`` layout (``model.layers.N.*``, ``lm_head``), or with
@@ -46,9 +50,9 @@ TINY_KDA_LAYERS = [1, 2, 3]
 TINY_FULL_ATTN_LAYERS = [4, 5]
 
 TINY_DSA_CONFIG: dict[str, Any] = {
-    "index_topk": 64,
+    "index_topk": 128,
     "index_head_dim": 128,
-    "index_num_heads": 4,
+    "index_num_heads": 32,
     "index_rope_dim": 0,
     "index_k_norm_type": "layernorm",
     "index_topk_freq": 1,
@@ -68,7 +72,7 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,
     "dtype": "bfloat16",
-    "q_lora_rank": 128,
+    "q_lora_rank": 1536,
     "kv_lora_rank": 512,
     "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
@@ -327,6 +331,13 @@ def tiny_vision_shapes(
     return shapes
 
 
+# Output heads at 0.02 would give a near-uniform next-token distribution, whose
+# logprobs tell two serving paths apart by nothing; 0.1 spreads the logits
+# (std ~1.6 at hidden 256) without changing which paths agree.
+OUTPUT_HEAD_STD = 0.1
+OUTPUT_HEADS = ("lm_head.weight", "shared_head.head.weight")
+
+
 def _is_norm(name: str) -> bool:
     return name.endswith(("norm.weight", "layernorm.weight")) or name in {
         "model.norm.weight"
@@ -363,6 +374,8 @@ def _random_tensors(
             value = 1.0 + 0.1 * value
         elif name.endswith((".bias", "dt_bias", "A_log")):
             value = 0.1 * value
+        elif name.endswith(OUTPUT_HEADS):
+            value = OUTPUT_HEAD_STD * value
         else:
             value = 0.02 * value
         tensors[prefix + name] = value.to(dtype)

@@ -60,9 +60,17 @@ from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.rotary_embedding.common import yarn_get_mscale
 from vllm.model_executor.utils import is_weights_pre_processed
+from vllm.models.kimi_k3.common.dsa_config import (
+    FORCE_WRAPPER_ENV,
+    force_wrapper_forward,
+)
 from vllm.models.kimi_k3.nvidia.dsa_low_latency import (
     low_latency_linear,
     request_low_latency_warmup,
+)
+from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import (
+    fused_prologue_unsupported,
+    k_insert_unsupported,
 )
 from vllm.models.kimi_k3.nvidia.mla import (
     _GATE_MULTI_STREAM_TOKEN_THRESHOLD,
@@ -140,6 +148,34 @@ def _extension_loaded() -> bool:
         return bool(_ops("_extension").extension_available())
     except ImportError:
         return False
+
+
+def fused_k_insert_blockers(
+    use_pcp: bool,
+    index_k_norm_type: str,
+    index_rope_dim: int,
+    index_head_dim: int,
+    index_num_heads: int,
+) -> list[str]:
+    """Why the indexer cannot use our fused key insert (empty: it can).
+
+    The seed's selection (no PCP, LayerNorm k-norm, no indexer rope) plus
+    what our kernels need: ``vllm._kimi_k3_C`` loaded and the shapes it was
+    compiled for.
+    """
+    blockers = []
+    if force_wrapper_forward():
+        blockers.append(f"{FORCE_WRAPPER_ENV}=1")
+    if use_pcp:
+        blockers.append("prefill context parallelism")
+    if index_k_norm_type != "layernorm":
+        blockers.append(f"index_k_norm_type {index_k_norm_type!r}")
+    if index_rope_dim != 0:
+        blockers.append(f"index_rope_dim {index_rope_dim}")
+    blockers += k_insert_unsupported(index_head_dim, index_num_heads)
+    if not blockers and not _extension_loaded():
+        blockers.append("vllm._kimi_k3_C not available")
+    return blockers
 
 
 def _accepts_kwarg(fn: Any, name: str) -> bool:
@@ -461,12 +497,22 @@ class KimiK3DSAAttention(nn.Module):
         attn = cast(Any, self.mla_attn.mla_attn)
         indexer = self.dsa_indexer
         blockers = []
-        if not indexer.use_fused_k_insert:
+        if force_wrapper_forward():
+            blockers.append(f"{FORCE_WRAPPER_ENV}=1")
+        elif not indexer.use_fused_k_insert:
             blockers.append("no fused key insert")
         if indexer.dcp_world_size != 1:
             blockers.append("decode context parallelism")
         if self.q_lora_rank is None:
             blockers.append("no q-LoRA")
+        else:
+            blockers += fused_prologue_unsupported(
+                self.q_lora_rank,
+                self.kv_lora_rank,
+                self.qk_rope_head_dim,
+                indexer.index_head_dim,
+                indexer.index_num_heads,
+            )
         if not self.use_nope:
             blockers.append("rope (not NoPE)")
         if not hasattr(self, "g_proj"):
@@ -519,9 +565,10 @@ class KimiK3DSAAttention(nn.Module):
             return
         blockers = self.fused_forward_blockers()
         if blockers:
-            logger.debug(
-                "Kimi K3.1 DSA layer keeps the wrapper forward: %s.",
-                ", ".join(blockers),
+            # Once per process: every DSA layer of a model declines alike.
+            logger.info_once(
+                "Kimi K3.1 DSA layers use the wrapper forward (upstream ops): %s.",
+                "; ".join(blockers),
             )
             return
         indexer = self.dsa_indexer
@@ -767,18 +814,26 @@ class KimiK3DSAIndexer(nn.Module):
         # the op to gather the unquantized key instead. The seed's selection,
         # plus our extension: without vllm._kimi_k3_C the key is normed here
         # and 0.33.0's op inserts it (fp8 only), as DESIGN's wrapper path says.
-        self.use_fused_k_insert = (
-            not self.use_pcp
-            and index_k_norm_type == "layernorm"
-            and index_rope_dim == 0
-            and _extension_loaded()
+        self.k_insert_blockers = fused_k_insert_blockers(
+            self.use_pcp,
+            index_k_norm_type,
+            index_rope_dim,
+            index_head_dim,
+            index_num_heads,
         )
+        self.use_fused_k_insert = not self.k_insert_blockers
+        if self.k_insert_blockers:
+            logger.info_once(
+                "Kimi K3.1 DSA indexer keys use vLLM's unfused insert: %s.",
+                "; ".join(self.k_insert_blockers),
+            )
         if self.use_fp4_cache and not self.use_fused_k_insert:
             raise NotImplementedError(
                 "MXFP4 indexer keys need the fused key insert "
                 "(index_k_norm_type='layernorm', index_rope_dim=0, no prefill "
-                "context parallelism, and the vllm._kimi_k3_C extension built); "
-                "use indexer_kv_dtype='fp8' otherwise."
+                "context parallelism, the vllm._kimi_k3_C extension built, and "
+                "the shapes it takes), which this layer cannot use: "
+                f"{'; '.join(self.k_insert_blockers)}. Use indexer_kv_dtype='fp8'."
             )
         # DCP, as 0.33.0's SparseAttnIndexer: the op merges each rank's local
         # top-k into the global one (_merge_dcp_topk_global).

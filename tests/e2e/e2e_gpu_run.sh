@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs tests/e2e (vLLM 0.33.0 serving the tiny Kimi K3.1 checkpoint) on a CUDA
+# GPU host where vLLM and this package are installed, from the project root.
+# Logs and the JSON-lines report go to ${OUT:-e2e-logs}/. Extra arguments go to
+# pytest. KIMI_K3_DSA_STACK_DUMP_S=N makes every Python process print its
+# stacks every N seconds (tests/e2e/diagnostics), for a run that hangs.
+#   bash tests/e2e/e2e_gpu_run.sh [-k expr]
+set -uo pipefail
+out=$(realpath -m "${OUT:-e2e-logs}")
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 KIMI_K3_DSA_E2E_REPORT=$out/e2e_report.jsonl
+if [ "${KIMI_K3_DSA_STACK_DUMP_S:-0}" != 0 ]; then
+  export PYTHONPATH=$PWD/tests/e2e/diagnostics${PYTHONPATH:+:$PYTHONPATH}
+fi
+py=${PYTHON:-python3}
+{ date -u; nvidia-smi -L
+  $py -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__)'
+} 2>&1 | tee "$out/env.log"
+start=$(date +%s)
+timeout "${E2E_TIMEOUT_S:-1500}" $py -m pytest -m gpu -v -s -p no:cacheprovider \
+  tests/e2e "$@" >"$out/e2e.log" 2>&1
+rc=$?
+echo "pytest rc=$rc in $(( $(date +%s) - start )) s"
+grep -E "PASSED|FAILED|ERROR|SKIPPED|WATCHDOG|Traceback|Error:|passed|failed" \
+  "$out/e2e.log" | grep -v "^INFO" | tail -60
+exit $rc

@@ -1,0 +1,436 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Serve the tiny Kimi K3.1 checkpoint through vLLM and compare the outputs.
+
+Helpers of ``tests/e2e``: run ``vllm.LLM`` on a checkpoint with given engine
+arguments (greedy, with logprobs), start ``vllm serve`` as a subprocess, and
+compare two runs the way vLLM's own model tests do: tokens must agree until
+the first position where they differ, and there each run's token must be among
+the other run's top logprobs (a precision difference, not a wrong model);
+the logprobs of the agreeing prefix must be within a tolerance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Prompt lengths below and above the tiny checkpoint's index_topk (128): the
+# short ones select every cached token, the long ones exercise the top-k.
+SHORT_PROMPT_LENS = (17, 100)
+LONG_PROMPT_LENS = (300, 700)
+MAX_TOKENS = 12
+NUM_LOGPROBS = 5
+MAX_MODEL_LEN = 1024
+# Token ids the tiny vocabulary (1024) holds; 1023 is the media placeholder.
+PROMPT_VOCAB = 1000
+# Small batches keep CUDA-graph capture short. FlashMLA sparse sizes its
+# chunked-context workspace min(..., max_num_seqs * index_topk) rows, and it
+# must hold one packed block (2048 tokens here): 8 failed with the MTP draft.
+MAX_NUM_SEQS = 16
+# The first request of an engine includes JIT compiles (DeepGEMM, Triton).
+GENERATE_TIMEOUT_S = 240.0
+# Each engine takes a share of the GPU, so a slow shutdown of the previous one
+# cannot starve the next.
+GPU_MEMORY_UTILIZATION = 0.25
+
+
+def prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    """Random token-id prompts (reproducible)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(PROMPT_VOCAB) for _ in range(n)] for n in lengths]
+
+
+@dataclass
+class Completion:
+    """One greedy completion: its tokens and, per position, the top logprobs
+    (token id -> logprob) including the chosen token."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]] | None
+
+
+@dataclass
+class EngineRun:
+    """What one engine configuration produced."""
+
+    label: str
+    # One prompt per request, in prompt order.
+    completions: list[Completion]
+    # All prompts in one batch.
+    batched: list[Completion]
+    load_s: float
+    first_token_s: float
+    # What the DSA layers of the target model ran (see dsa_forward_paths).
+    forward_paths: list[str]
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the engine processes started inside."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_llm(
+    label: str,
+    model: Path,
+    prompt_ids: list[list[int]],
+    env: dict[str, str] | None = None,
+    logprobs: bool = True,
+    timeout_s: float = GENERATE_TIMEOUT_S,
+    **engine_kwargs: Any,
+) -> EngineRun:
+    """Start ``vllm.LLM`` on ``model`` and generate greedily: each prompt on
+    its own (so a prompt no longer than top-k takes the dense-MHA prefill),
+    then all of them as one batch. Times the engine start and the first
+    request; shuts the engine down. An engine that does not answer within
+    ``timeout_s`` is killed (the test then fails instead of hanging)."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model),
+        skip_tokenizer_init=True,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
+        gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+        enable_prefix_caching=False,
+        seed=0,
+    )
+    kwargs.update(engine_kwargs)
+    # apply_model ships dsa_forward_paths to the engine process by value.
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})}
+    with contextlib.suppress(ImportError):
+        import cloudpickle
+
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        logprobs=NUM_LOGPROBS if logprobs else None,
+        detokenize=False,
+    )
+
+    def generate(llm: Any, batch: list[list[int]]) -> list[Completion]:
+        with _watchdog(timeout_s, f"{label}: generate"):
+            outputs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in batch],
+                params,
+                use_tqdm=False,
+            )
+        return [_completion(output) for output in outputs]
+
+    with environment(env):
+        start = time.perf_counter()
+        with _watchdog(timeout_s * 2, f"{label}: engine start"):
+            llm = LLM(**kwargs)
+        load_s = time.perf_counter() - start
+        try:
+            paths = sorted({p for ps in llm.apply_model(dsa_forward_paths) for p in ps})
+            start = time.perf_counter()
+            completions = generate(llm, prompt_ids[:1])
+            first_s = time.perf_counter() - start
+            completions += [c for p in prompt_ids[1:] for c in generate(llm, [p])]
+            batched = generate(llm, prompt_ids)
+        finally:
+            _shutdown(llm)
+    return EngineRun(
+        label,
+        completions,
+        batched,
+        load_s,
+        first_s,
+        paths,
+        {k: v for k, v in kwargs.items() if k != "model"},
+    )
+
+
+def _completion(output: Any) -> Completion:
+    sample = output.outputs[0]
+    top = None
+    if sample.logprobs is not None:
+        top = [
+            {int(tok): float(lp.logprob) for tok, lp in position.items()}
+            for position in sample.logprobs
+        ]
+    return Completion(list(sample.token_ids), top)
+
+
+@contextlib.contextmanager
+def _watchdog(timeout_s: float, what: str) -> Iterator[None]:
+    """Kill this process's children (the engine) if the block outlives
+    ``timeout_s``; the blocked call then raises."""
+    import threading
+
+    import psutil
+
+    fired = threading.Event()
+
+    def kill() -> None:
+        fired.set()
+        print(f"WATCHDOG: {what} exceeded {timeout_s:.0f} s; killing the engine")
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+
+    timer = threading.Timer(timeout_s, kill)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+    if fired.is_set():
+        raise TimeoutError(f"{what} exceeded {timeout_s:.0f} s")
+
+
+def dsa_forward_paths(model: Any) -> list[str]:
+    """Which forward each DSA layer of ``model`` runs (in the engine process):
+    ``fused`` or ``wrapper``, with ``+fused-insert`` when the wrapper inserts
+    the indexer keys with our kernel."""
+    from vllm.models.kimi_k3.nvidia.dsa_model import dsa_attention_layers
+
+    paths = set()
+    for _, attn in dsa_attention_layers(model):
+        if attn._packed is not None:
+            paths.add("fused")
+        elif attn.dsa_indexer.use_fused_k_insert:
+            paths.add("wrapper+fused-insert")
+        else:
+            paths.add("wrapper")
+    return sorted(paths)
+
+
+def _shutdown(llm: Any) -> None:
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    shutdown = getattr(core, "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+    del llm
+    gc.collect()
+
+
+@dataclass
+class Agreement:
+    """How two runs of the same prompts compare."""
+
+    identical: bool
+    # Per prompt: the first position where the tokens differ, or None.
+    first_difference: list[int | None]
+    # Largest and mean |logprob difference| of the chosen tokens over the
+    # agreeing prefixes (None without logprobs on both sides).
+    max_logprob_diff: float | None
+    mean_logprob_diff: float | None
+    # Per prompt: the largest difference over its agreeing prefix.
+    prompt_max_logprob_diff: list[float | None]
+    problems: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compare(a: EngineRun, b: EngineRun, check_logprobs: bool = True) -> Agreement:
+    """Compare two runs prompt by prompt (see the module docstring). A run
+    without logprobs is checked against the other run's only."""
+    problems: list[str] = []
+    first_difference: list[int | None] = []
+    diffs: list[float] = []
+    prompt_max: list[float | None] = []
+    for i, (ca, cb) in enumerate(zip(a.completions, b.completions, strict=True)):
+        common = min(len(ca.tokens), len(cb.tokens))
+        differ = next((p for p in range(common) if ca.tokens[p] != cb.tokens[p]), None)
+        if differ is None and len(ca.tokens) != len(cb.tokens):
+            differ = common
+        first_difference.append(differ)
+        agreeing = common if differ is None else differ
+        mine_diffs = []
+        if check_logprobs and ca.logprobs and cb.logprobs:
+            for p in range(agreeing):
+                token = ca.tokens[p]
+                mine_diffs.append(abs(ca.logprobs[p][token] - cb.logprobs[p][token]))
+        diffs += mine_diffs
+        prompt_max.append(max(mine_diffs) if mine_diffs else None)
+        if differ is None or differ >= common:
+            continue
+        checked = False
+        for run, mine, other in ((a, ca, cb), (b, cb, ca)):
+            if not other.logprobs:
+                continue
+            checked = True
+            top = other.logprobs[differ]
+            if mine.tokens[differ] not in top:
+                ranked = sorted(top.items(), key=lambda kv: -kv[1])
+                problems.append(
+                    f"prompt {i}: {run.label} chose token {mine.tokens[differ]} at "
+                    f"position {differ}, which is not among the other run's top "
+                    f"{len(top)} {ranked}"
+                )
+        if not checked:
+            problems.append(
+                f"prompt {i}: {a.label} and {b.label} differ at token {differ} "
+                "and neither has logprobs to tell a near-tie from a wrong model"
+            )
+    identical = all(d is None for d in first_difference)
+    return Agreement(
+        identical,
+        first_difference,
+        max(diffs) if diffs else None,
+        sum(diffs) / len(diffs) if diffs else None,
+        prompt_max,
+        problems,
+    )
+
+
+def first_prompts(run: EngineRun, count: int) -> EngineRun:
+    """``run`` restricted to its first ``count`` prompts."""
+    return dataclasses.replace(run, completions=run.completions[:count])
+
+
+def dense_twin(dsa_checkpoint: Path, out: Path) -> Path:
+    """The same checkpoint as plain Kimi K3 (dense MLA): ``dsa_config`` and the
+    indexer tensors removed, every other tensor byte-identical."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((dsa_checkpoint / "config.json").read_text())
+    text = config.get("text_config", config)
+    text.pop("dsa_config")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = load_file(str(dsa_checkpoint / "model.safetensors"))
+    kept = {k: v for k, v in tensors.items() if ".self_attn.indexer." not in k}
+    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServeResult:
+    ready_s: float
+    response: dict[str, Any]
+    log_tail: str
+
+
+def serve_and_complete(
+    model: Path,
+    prompt_ids: list[int],
+    log_path: Path,
+    timeout_s: float = 420.0,
+    extra_args: tuple[str, ...] = (),
+) -> ServeResult:
+    """Start ``vllm serve`` (the real CLI) on 127.0.0.1, wait for ``/health``,
+    send one ``/v1/completions`` request with token ids, stop the server."""
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--skip-tokenizer-init",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--gpu-memory-utilization",
+        str(GPU_MEMORY_UTILIZATION),
+        "--no-enable-prefix-caching",
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        *extra_args,
+    ]
+    base = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        start = time.perf_counter()
+        server = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError(
+                        f"vllm serve exited with {server.returncode} before it "
+                        f"was ready:\n{_tail(log_path)}"
+                    )
+                if time.perf_counter() - start > timeout_s:
+                    raise TimeoutError(
+                        f"vllm serve not healthy after {timeout_s:.0f} s:\n"
+                        f"{_tail(log_path)}"
+                    )
+                try:
+                    with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except (urllib.error.URLError, ConnectionError, TimeoutError):
+                    pass
+                time.sleep(2)
+            ready_s = time.perf_counter() - start
+            body = json.dumps(
+                {
+                    "model": str(model),
+                    "prompt": prompt_ids,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0.0,
+                    "return_token_ids": True,
+                }
+            ).encode()
+            request = urllib.request.Request(
+                f"{base}/v1/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=120) as r:
+                response = json.loads(r.read())
+        finally:
+            _stop(server)
+    return ServeResult(ready_s, response, _tail(log_path))
+
+
+def _stop(server: subprocess.Popen) -> None:
+    import signal
+
+    if server.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGINT)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
