@@ -33,6 +33,35 @@ def test_register_refuses_before_patching(monkeypatch):
     assert plugin._registered is False
 
 
+def test_refusal_is_repeated_on_retry(monkeypatch):
+    """vLLM marks general plugins loaded before running them; after our
+    refusal a retry in the same process must meet it again, not go on
+    without the plugin."""
+    import vllm
+    import vllm.plugins as vllm_plugins
+
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.setattr(vllm_plugins, "plugins_loaded", False)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"needs vLLM 0\.33\.0"):
+            vllm_plugins.load_general_plugins()
+        assert vllm_plugins.plugins_loaded is False
+
+
+def test_force_wrapper_env_is_a_vllm_compile_factor(monkeypatch):
+    """The fused and the wrapper forward are different compiled graphs: the
+    switch is part of vLLM's torch.compile cache key."""
+    import vllm.envs as envs
+
+    plugin.register()
+    monkeypatch.setenv("VLLM_KIMI_K3_DSA_FORCE_WRAPPER", "1")
+    assert envs.VLLM_KIMI_K3_DSA_FORCE_WRAPPER is True
+    with_wrapper = envs.compile_factors()
+    monkeypatch.setenv("VLLM_KIMI_K3_DSA_FORCE_WRAPPER", "0")
+    assert envs.compile_factors() != with_wrapper
+
+
 def test_release_with_local_tag_accepted():
     plugin.check_vllm_version("0.33.0")
     plugin.check_vllm_version("0.33.0+cu130")

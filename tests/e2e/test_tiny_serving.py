@@ -35,22 +35,24 @@ SHORT_PROMPTS = ALL_PROMPTS[: len(SHORT_PROMPT_LENS)]
 FORCE_WRAPPER = {"VLLM_KIMI_K3_DSA_FORCE_WRAPPER": "1"}
 FORCE_MQA = {"attention_config": {"sparse_mla_force_mqa": True}}
 
-# Chosen-token logprob tolerances (nats), the largest difference over the
-# agreeing prefixes. The tiny model is random and chaotic (a rounding
-# difference can flip an MoE routing decision), so even the same kernels with
-# and without torch.compile differ by about 0.1 (H200, 2026-11-30: 0.093 with
-# the dense-MHA prefill, 0.125 with the sparse one); the tolerances are about
-# twice what was measured. A wrong model fails the token check long before.
-# Same kernels: CUDA graphs + torch.compile vs eager; one batch vs one prompt
-# at a time; the two prefill paths.
-ROUNDING_TOL = 0.25
-# Our fused kernels vs upstream's ops (0.298 measured): norms rounded once in
-# fp32 vs vLLM's RMSNorm; near-tie indexer scores of a long prompt may select
-# a different boundary token.
-FUSED_VS_WRAPPER_TOL = 0.6
-# DSA (fp8_ds_mla cache, every token selected) vs dense MLA (bf16 cache): the
-# fp8 quantization of the latent.
-DSA_VS_DENSE_TOL = 1.0
+# Chosen-token logprob tolerance (nats) over the agreeing prefix of each
+# prompt no longer than top-k. There every cached token is selected, so two
+# correct paths differ by rounding only: measured on the H200 (2026-11-30) at
+# most 0.062 for every comparison here (eager/graphs, batched, the two prefill
+# paths, fused/wrapper, DSA/dense MLA). The tiny model is random and chaotic
+# (a rounding difference can flip an MoE routing decision), so the bound is
+# about 2.5x that. Long prompts are held to the token check only: near-tie
+# indexer scores can select a different boundary token (even run to run of
+# one configuration), which moved logprobs by up to 0.33.
+SHORT_PROMPT_TOL = 0.15
+
+
+def assert_agree(agreement) -> None:
+    """No token outside the other run's top 5; short prompts within the
+    tolerance."""
+    assert not agreement.problems, agreement.problems
+    short = agreement.prompt_max_logprob_diff[: len(SHORT_PROMPT_LENS)]
+    assert all(d is not None and d <= SHORT_PROMPT_TOL for d in short), agreement
 
 
 @pytest.mark.parametrize("prefill", ["dense-mha", "force-mqa"])
@@ -68,9 +70,7 @@ def test_eager_equals_cuda_graphs(prefill, engine_runs, tiny_dsa, report_agreeme
     assert eager.forward_paths == ["fused"], eager.forward_paths
     agreement = compare(graphs, eager)
     report_agreement(f"eager-vs-graphs-{prefill}", agreement)
-    assert not agreement.problems, agreement.problems
-    assert agreement.max_logprob_diff is not None
-    assert agreement.max_logprob_diff <= ROUNDING_TOL, agreement
+    assert_agree(agreement)
     assert all(len(c.tokens) == MAX_TOKENS for c in graphs.completions)
 
 
@@ -81,8 +81,7 @@ def test_batched_equals_one_at_a_time(engine_runs, tiny_dsa, report_agreement):
     batched = dataclasses.replace(run, label="batched", completions=run.batched)
     agreement = compare(run, batched)
     report_agreement("batched-vs-single", agreement)
-    assert not agreement.problems, agreement.problems
-    assert agreement.max_logprob_diff <= ROUNDING_TOL, agreement
+    assert_agree(agreement)
 
 
 def test_prefill_paths_agree(engine_runs, tiny_dsa, report_agreement):
@@ -93,8 +92,7 @@ def test_prefill_paths_agree(engine_runs, tiny_dsa, report_agreement):
     mqa = engine_runs("dsa-fused-graphs-force-mqa", tiny_dsa, ALL_PROMPTS, **FORCE_MQA)
     agreement = compare(dense, mqa)
     report_agreement("dense-mha-vs-force-mqa", agreement)
-    assert not agreement.problems, agreement.problems
-    assert agreement.max_logprob_diff <= ROUNDING_TOL, agreement
+    assert_agree(agreement)
 
 
 def test_fused_equals_wrapper(engine_runs, tiny_dsa, report_agreement):
@@ -105,8 +103,7 @@ def test_fused_equals_wrapper(engine_runs, tiny_dsa, report_agreement):
     assert wrapper.forward_paths == ["wrapper"], wrapper.forward_paths
     agreement = compare(fused, wrapper)
     report_agreement("fused-vs-wrapper", agreement)
-    assert not agreement.problems, agreement.problems
-    assert agreement.max_logprob_diff <= FUSED_VS_WRAPPER_TOL, agreement
+    assert_agree(agreement)
 
 
 def test_dsa_equals_dense_mla_up_to_topk(
@@ -121,8 +118,7 @@ def test_dsa_equals_dense_mla_up_to_topk(
     assert dense.forward_paths == [], dense.forward_paths
     agreement = compare(dsa, dense)
     report_agreement("dsa-vs-dense-mla", agreement)
-    assert not agreement.problems, agreement.problems
-    assert agreement.max_logprob_diff <= DSA_VS_DENSE_TOL, agreement
+    assert_agree(agreement)
 
 
 def test_vllm_serve_completion(engine_runs, tiny_dsa, log_dir, report):

@@ -654,6 +654,71 @@ def test_pack_declines_without_fused_insert(dsa_layer_env, extension):
     _assert_declined(layer, _snapshot(layer))
 
 
+# Shapes the compiled kernels do not take (the smoke-test crashes of the
+# first serving run): the layer keeps the wrapper forward and says why.
+UNSUPPORTED_SHAPES = [
+    (
+        "q-lora-128",
+        {"q_lora_rank": 128},
+        {},
+        ["q_lora_rank 128 (the prologue is built for 1536)"],
+    ),
+    (
+        "index-heads-4",
+        {},
+        {"index_num_heads": 4},
+        [
+            "no fused key insert",
+            "the packed input row of 2244 bf16 values is not a multiple of 8 "
+            "(16 bytes); index_num_heads must be a multiple of 8",
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "dsa", "blockers"),
+    [pytest.param(t, d, b, id=i) for i, t, d, b in UNSUPPORTED_SHAPES],
+)
+def test_pack_declines_shapes_the_kernels_do_not_take(
+    dsa_layer_env, extension, log, text, dsa, blockers
+):
+    config = dsa_layer_env.text_config(
+        **text, dsa_config=dsa_layer_env.dsa_config(**dsa)
+    )
+    layer = build(dsa_layer_env, config)
+    assert layer.fused_forward_blockers() == blockers
+    _assert_declined(layer, _snapshot(layer))
+    assert log.messages("info_once")[-1] == (
+        "Kimi K3.1 DSA layers use the wrapper forward (upstream ops): "
+        + "; ".join(blockers)
+        + "."
+    )
+
+
+def test_fused_insert_declined_for_unaligned_key_rows(dsa_layer_env, log):
+    """4 index heads: the key is a slice of a 132-wide [wk | weights_proj]
+    row, which the insert kernel cannot read in 16-byte vectors."""
+    indexer = build_indexer(dsa_layer_env, index_num_heads=4)
+    assert not indexer.use_fused_k_insert
+    assert indexer.k_insert_blockers == [
+        "the [wk | weights_proj] row of 132 bf16 values is not a multiple of 8 "
+        "(16 bytes); index_num_heads must be a multiple of 8"
+    ]
+    assert "vLLM's unfused insert" in log.messages("info_once")[-1]
+    indexer = build_indexer(dsa_layer_env, index_num_heads=8)
+    assert indexer.use_fused_k_insert
+
+
+def test_force_wrapper_env_keeps_upstream_ops(dsa_layer_env, extension, monkeypatch):
+    monkeypatch.setenv("VLLM_KIMI_K3_DSA_FORCE_WRAPPER", "1")
+    layer = build(dsa_layer_env)
+    assert not layer.dsa_indexer.use_fused_k_insert
+    assert layer.dsa_indexer.k_insert_blockers == ["VLLM_KIMI_K3_DSA_FORCE_WRAPPER=1"]
+    assert layer.fused_forward_blockers() == ["VLLM_KIMI_K3_DSA_FORCE_WRAPPER=1"]
+    _assert_declined(layer, _snapshot(layer))
+
+
 def test_pack_declines_under_dcp(dsa_layer_env, extension):
     layer = build(dsa_layer_env)
     # DCP groups do not exist on one rank; the layer reads the indexer's size.

@@ -97,13 +97,31 @@ def check_vllm_version(installed: str) -> None:
 
 
 def register() -> None:
-    """Apply every seam once per process (vLLM may call this several times)."""
+    """Apply every seam once per process (vLLM may call this several times).
+
+    A refusal (another vLLM version) or a failed seam leaves vLLM's
+    general-plugin loader ready to run again: it marks plugins loaded before
+    running them, so a caller that caught the error and built an engine again
+    in the same process would otherwise serve a Kimi K3.1 checkpoint as plain
+    Kimi K3. With the flag cleared, that retry meets the same error.
+    """
     global _registered
     if _registered:
         return
     import vllm
 
-    check_vllm_version(vllm.__version__)
-    for name in PATCH_MODULES:
-        importlib.import_module(f"{__name__}.{name}").apply()
+    try:
+        check_vllm_version(vllm.__version__)
+        for name in PATCH_MODULES:
+            importlib.import_module(f"{__name__}.{name}").apply()
+    except BaseException:
+        _allow_plugin_reload()
+        raise
     _registered = True
+
+
+def _allow_plugin_reload() -> None:
+    import vllm.plugins
+
+    if getattr(vllm.plugins, "plugins_loaded", False):
+        vllm.plugins.plugins_loaded = False
