@@ -31,15 +31,31 @@ and the MLA projections unfused (``q_a_proj``, ``kv_a_proj_with_mqa``,
 
 (no tokenizer is written: send token ids, e.g. ``"prompt": [1, 2, 3]`` to
 ``/v1/completions``).
+
+The command line never merges into, or follows, anything: ``OUT_DIR`` must be
+new (its missing parents are created) or an empty directory; ``--force``
+replaces a non-empty one's whole contents, so that no old index, tokenizer or
+weights of another kind are left beside the new files. The checkpoint is
+staged in a hidden directory beside ``OUT_DIR`` and moved into place (the old
+directory moved aside first, deleted only once the new one is in), so a
+failure leaves the disk as it was. A bad argument exits 2, a failed write 1,
+each with one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
+import shutil
+import stat
+import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     import torch
@@ -145,17 +161,79 @@ def tiny_text_config(dsa: bool = True, **overrides: Any) -> dict[str, Any]:
     return config
 
 
-def write_tiny_config(path: str | Path, dsa: bool = True, **overrides: Any) -> Path:
-    """Write ``config.json`` of a tiny text-only (``KimiLinearForCausalLM``)
-    Kimi K3.1 checkpoint into ``path`` and return the directory."""
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+CONFIG_FILE = "config.json"
+CHECKPOINT_FILE = "model.safetensors"
+
+
+def _write_files(
+    directory: Path,
+    *,
+    dsa: bool,
+    weights: bool,
+    seed: int = 0,
+    prefix: str = "",
+    multimodal: bool = False,
+    overrides: dict[str, Any] | None = None,
+) -> list[str]:
+    """Write the checkpoint's files into ``directory`` (a fresh staging
+    directory) and return their names in the order to install them: the
+    weights before ``config.json``, so that no step leaves a new config over
+    old weights."""
+    overrides = overrides or {}
     config = tiny_text_config(dsa=dsa, **overrides)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if multimodal:
+        config_dict = tiny_multimodal_config(dsa=dsa, **overrides)
+    else:
+        config_dict = config
+    names = []
+    if weights:
+        from safetensors.torch import save_file
+
+        if multimodal:
+            tensors = tiny_checkpoint_tensors(
+                config, seed=seed, prefix="language_model."
+            )
+            vision = tiny_vision_shapes(
+                config_dict["vision_config"], config["hidden_size"]
+            )
+            tensors.update(_random_tensors(vision, seed + 1, None))
+        else:
+            tensors = tiny_checkpoint_tensors(config, seed=seed, prefix=prefix)
+        save_file(
+            {name: t.contiguous() for name, t in tensors.items()},
+            str(directory / CHECKPOINT_FILE),
+            metadata={"format": "pt"},
+        )
+        names.append(CHECKPOINT_FILE)
+    (directory / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2) + "\n")
+    names.append(CONFIG_FILE)
+    return names
+
+
+def _write_into(out: Path, write: Callable[[Path], list[str]]) -> Path:
+    """The library writers' install step: stage the files in a hidden
+    directory inside ``out`` (created with its parents if missing; same
+    filesystem) and move each over its old copy, so a failed write leaves the
+    old files as they were. Other files in ``out`` are kept, as tests that
+    rewrite a config in place rely on; the CLI replaces whole directories."""
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-checkpoint-", dir=out))
+    try:
+        for name in write(staging):
+            os.replace(staging / name, out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
-CHECKPOINT_FILE = "model.safetensors"
+def write_tiny_config(path: str | Path, dsa: bool = True, **overrides: Any) -> Path:
+    """Write ``config.json`` of a tiny text-only (``KimiLinearForCausalLM``)
+    Kimi K3.1 checkpoint into ``path`` (created if missing; an old
+    ``config.json`` there is replaced atomically) and return the directory."""
+    return _write_into(
+        Path(path),
+        lambda d: _write_files(d, dsa=dsa, weights=False, overrides=overrides),
+    )
 
 
 def _is_kda_layer(config: dict[str, Any], layer_idx: int) -> bool:
@@ -396,36 +474,214 @@ def write_tiny_checkpoint(
     Keyword overrides replace top-level text-config keys. ``multimodal=True``
     writes the ``KimiK3ForConditionalGeneration`` checkpoint: the text
     weights under ``language_model.``, plus a tiny vision tower and projector
-    (``prefix`` is then ignored). Returns the directory."""
-    from safetensors.torch import save_file
+    (``prefix`` is then ignored). ``path`` is created if missing; old copies
+    of the two files are replaced atomically, weights first. Returns the
+    directory."""
+    return _write_into(
+        Path(path),
+        lambda d: _write_files(
+            d,
+            dsa=dsa,
+            weights=True,
+            seed=seed,
+            prefix=prefix,
+            multimodal=multimodal,
+            overrides=overrides,
+        ),
+    )
 
-    config = tiny_text_config(dsa=dsa, **overrides)
-    if multimodal:
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        mm_config = tiny_multimodal_config(dsa=dsa, **overrides)
-        (out / "config.json").write_text(json.dumps(mm_config, indent=2) + "\n")
-        tensors = tiny_checkpoint_tensors(config, seed=seed, prefix="language_model.")
-        tensors.update(
-            _random_tensors(
-                tiny_vision_shapes(mm_config["vision_config"], config["hidden_size"]),
-                seed + 1,
-                None,
+
+# -- the command line ---------------------------------------------------------
+#
+# The CLI never merges into or follows anything: it writes the whole checkpoint
+# into a staging directory beside the target (same filesystem) and moves it
+# into place, so that an error or a refusal leaves the disk as it was.
+
+PROG = "kimi-k3-dsa-tiny-checkpoint"
+_STAGING_INFIX = ".tiny-checkpoint-"
+
+
+class _Refused(Exception):
+    """A bad output path: the message names it, the problem and the fix."""
+
+
+class _WriteFailed(Exception):
+    """Writing failed after the checks; the message says what is on disk."""
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error) or type(error).__name__
+
+
+def _listing(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    more = len(names) - limit
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+def _check_output_dir(raw: str, force: bool) -> Path:
+    """The absolute target for the path argument ``raw``; raises
+    :class:`_Refused` for an empty path, a symlink (never followed), a
+    non-directory, the filesystem root, an ancestor that is not a directory,
+    a non-empty directory without ``--force``, or (with it) the directory
+    that holds the current one. Missing parents are fine: they are created."""
+    if not raw.strip():
+        raise _Refused(
+            "the output path is empty; give the directory to write the checkpoint into"
+        )
+    path = Path(raw)
+    if path.is_symlink():
+        raise _Refused(
+            f"{raw} is a symbolic link (to {os.readlink(path)}); it is not "
+            "followed: give the real directory, or remove the link"
+        )
+    if path.exists() and not path.is_dir():
+        raise _Refused(
+            f"{raw} exists and is not a directory; give a new or empty directory"
+        )
+    target = Path(os.path.realpath(path))
+    if target.parent == target:
+        raise _Refused(f"{raw} is the filesystem root; give a directory below it")
+    if not path.exists():
+        ancestor = target.parent
+        while not ancestor.exists() and ancestor.parent != ancestor:
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise _Refused(
+                f"cannot create {raw}: {ancestor} is not a directory; give a "
+                "path under a directory"
+            )
+        return target
+    entries = sorted(p.name for p in target.iterdir())
+    if entries and not force:
+        raise _Refused(
+            f"{raw} is not empty (it holds {_listing(entries)}); use --force to "
+            "replace its contents, or give a new or empty directory"
+        )
+    cwd = Path.cwd().resolve()
+    if entries and (target == cwd or target in cwd.parents):
+        raise _Refused(
+            f"--force would replace {raw}, which holds the current directory; "
+            "run from outside it"
+        )
+    return target
+
+
+def _dir_mode(existing: Path | None) -> int:
+    """The mode the new directory gets: the old one's, else the default that
+    ``mkdir`` gives (mkdtemp makes its directories private)."""
+    if existing is not None:
+        return stat.S_IMODE(existing.stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o777 & ~umask
+
+
+def _install(staging: Path, names: list[str], target: Path) -> Path | None:
+    """Move the staged checkpoint to ``target`` and return where the old
+    contents were moved aside (for the caller to delete), if anywhere."""
+    if not target.exists():
+        os.chmod(staging, _dir_mode(None))
+        os.rename(staging, target)
+        return None
+    if not any(target.iterdir()):
+        # Keep an existing empty directory (its owner, mode, and any shell
+        # sitting in it): move the files in, config.json last.
+        moved: list[Path] = []
+        try:
+            for name in names:
+                os.rename(staging / name, target / name)
+                moved.append(target / name)
+        except BaseException:
+            for file in moved:
+                file.unlink(missing_ok=True)
+            raise
+        return None
+    os.chmod(staging, _dir_mode(target))
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    try:
+        os.rename(target, aside / target.name)
+    except BaseException:
+        aside.rmdir()
+        raise
+    try:
+        os.rename(staging, target)
+    except BaseException as error:
+        try:
+            os.rename(aside / target.name, target)
+            aside.rmdir()
+        except OSError:
+            raise _WriteFailed(
+                f"cannot write {target}: {_reason(error)}; its old contents are "
+                f"in {aside / target.name}"
+            ) from error
+        raise
+    return aside
+
+
+def _write_checkpoint_dir(
+    target: Path, write: Callable[[Path], list[str]]
+) -> Path | None:
+    """Stage the files beside ``target`` and install them, creating missing
+    parents; on any failure remove the staging directory and the parents
+    created, so that nothing is left behind. Returns the old contents' place
+    aside (see :func:`_install`)."""
+    created: list[Path] = []
+    parent = target.parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
+    staging: Path | None = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(
+            tempfile.mkdtemp(
+                prefix=f".{target.name}{_STAGING_INFIX}", dir=target.parent
             )
         )
-    else:
-        out = write_tiny_config(path, dsa=dsa, **overrides)
-        tensors = tiny_checkpoint_tensors(config, seed=seed, prefix=prefix)
-    save_file(
-        {name: t.contiguous() for name, t in tensors.items()},
-        str(out / CHECKPOINT_FILE),
-        metadata={"format": "pt"},
+        return _install(staging, write(staging), target)
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        for directory in created:  # deepest first
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+    finally:
+        # Gone once renamed into place; left empty after moving files in.
+        if staging is not None and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _exit(message: str, code: int) -> NoReturn:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def _write_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean the disk refused a write (permission, space, ...):
+    ``OSError``, and safetensors' own error, which carries its I/O errors."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return (OSError,)
+    return (OSError, SafetensorError)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "OUT_DIR must be new or empty (missing parents are created); "
+            "--force replaces a non-empty directory's whole contents. The "
+            "checkpoint is staged beside OUT_DIR and moved into place, so a "
+            "failure changes nothing. Exit status: 0 written, 1 the write "
+            "failed, 2 bad arguments."
+        ),
     )
-    return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="directory to write the checkpoint into")
     parser.add_argument(
         "--no-dsa", action="store_true", help="write a plain Kimi K3 checkpoint"
@@ -438,20 +694,66 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="write the multimodal KimiK3ForConditionalGeneration checkpoint",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
-    args = parser.parse_args(argv)
-    if args.config_only:
-        if args.multimodal:
-            parser.error("--config-only writes the text-only config")
-        out = write_tiny_config(args.out_dir, dsa=not args.no_dsa)
-        print(f"wrote a tiny Kimi K3.1 checkpoint config to {out}")
-        return
-    out = write_tiny_checkpoint(
-        args.out_dir, dsa=not args.no_dsa, seed=args.seed, multimodal=args.multimodal
+    parser.add_argument("--seed", type=int, default=None, help="random seed (0)")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a non-empty OUT_DIR: its old files are all removed",
     )
-    print(
-        f"wrote a tiny Kimi K3.1 checkpoint (config.json, {CHECKPOINT_FILE}) to {out}"
-    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console script: refusals exit 2 and write nothing, failed writes
+    exit 1 and leave the disk as it was; each prints one line on stderr."""
+    args = _parser().parse_args(argv)
+    if args.config_only and args.multimodal:
+        _exit("--config-only writes the text-only config; drop --multimodal", 2)
+    if args.config_only and args.seed is not None:
+        _exit("--seed has no effect with --config-only (no weights)", 2)
+    seed = 0 if args.seed is None else args.seed
+    if not 0 <= seed < 2**64:
+        _exit(f"--seed {seed} is out of range; give 0 to 2**64 - 1", 2)
+    try:
+        target = _check_output_dir(args.out_dir, args.force)
+    except _Refused as refusal:
+        _exit(str(refusal), 2)
+    except OSError as error:
+        _exit(f"cannot inspect {args.out_dir}: {_reason(error)}", 1)
+
+    dsa = not args.no_dsa
+    try:
+        aside = _write_checkpoint_dir(
+            target,
+            lambda d: _write_files(
+                d,
+                dsa=dsa,
+                weights=not args.config_only,
+                seed=seed,
+                multimodal=args.multimodal,
+            ),
+        )
+    except _WriteFailed as failure:
+        _exit(str(failure), 1)
+    except _write_errors() as error:
+        _exit(
+            f"cannot write the checkpoint to {target}: {_reason(error)}; "
+            "nothing was changed",
+            1,
+        )
+    if aside is not None:
+        try:
+            shutil.rmtree(aside)
+        except OSError as error:
+            print(
+                f"{PROG}: warning: wrote {target}, but could not delete its old "
+                f"contents in {aside}: {_reason(error)}",
+                file=sys.stderr,
+            )
+    kind = "Kimi K3.1" if dsa else "plain Kimi K3"
+    files = "config.json" if args.config_only else f"config.json, {CHECKPOINT_FILE}"
+    replaced = " (replacing its old contents)" if aside is not None else ""
+    print(f"wrote a tiny {kind} checkpoint ({files}) to {target}{replaced}")
 
 
 if __name__ == "__main__":
