@@ -30,6 +30,12 @@ An fp8 ``wq_b`` or ``wk`` with its ``weight_scale_inv`` bound for a bf16
 parameter is dequantized on load (``wk`` always shares a bf16 GEMM with
 ``weights_proj``), as DeepSeek V3.2's loader does for ``wk``.
 
+Every tensor above is shape-checked against the parameter (or the shard of a
+merged parameter) it loads into before any weight loader runs: vLLM's merged
+loader narrows a too-large tensor without a word (``weights_proj`` with extra
+rows would be silently truncated into ``wkv_index``) and the other loaders
+assert with no tensor name.
+
 0.33.0's loaders map ``q_a_proj``/``kv_a_proj_with_mqa``/``g_proj`` only into the
 dense layer's ``fused_qkv_a_g_proj`` when the output gate is on, which a DSA
 layer does not have, and know no indexer names at all.
@@ -79,6 +85,15 @@ MODULE_INDEXER = "dsa_indexer"
 UPCAST_INDEXER_PROJECTIONS = ("wq_b", "wk")
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
 FP8_BLOCK = 128
+# Checkpoint module -> what its rows mean (for the shape error messages).
+CHECKPOINT_ROW_MEANINGS: dict[str, str] = {
+    "wq_b": "index_num_heads*index_head_dim",
+    "wk": "index_head_dim",
+    "weights_proj": "index_num_heads",
+    "k_norm": "index_head_dim",
+    "q_a_proj": "q_lora_rank",
+    "kv_a_proj_with_mqa": "kv_lora_rank + qk_rope_head_dim",
+}
 
 WeightItem = tuple[str, torch.Tensor] | tuple[str, torch.Tensor, dict[str, Any]]
 
@@ -356,6 +371,108 @@ def expected_indexer_tensors(attn: nn.Module) -> frozenset[str]:
     return frozenset(expected)
 
 
+Shape = tuple[int, ...]
+
+
+def _shape_of(tensor: torch.Tensor) -> Shape:
+    return tuple(int(d) for d in tensor.shape)
+
+
+def _checkpoint_module(attn: nn.Module, source: str) -> nn.Module:
+    """The module of ``attn`` that checkpoint module ``source`` loads into."""
+    mapping = INDEXER_CHECKPOINT_NAMES.get(source)
+    if mapping is None:
+        return attn.fused_qkv_a_proj
+    return getattr(getattr(attn, MODULE_INDEXER), mapping[0])
+
+
+def expected_checkpoint_shape(
+    attn: nn.Module,
+    source: str,
+    param_suffix: str,
+    target: str,
+    param: torch.Tensor,
+    shard: int | None,
+) -> tuple[Shape, str] | None:
+    """The shape checkpoint tensor ``{source}.{param_suffix}`` of a DSA layer
+    must have to load into ``param`` (named ``target``; shard ``shard`` of a
+    merged linear), and what its dimensions mean; None where only vLLM's
+    loader can tell (a lazily initialized parameter, a quantized or packed
+    slice of a merged linear).
+
+    Taken from the layer's modules rather than the config, so that it follows
+    what was actually built. The indexer projections and ``fused_qkv_a_proj``
+    are replicated (``disable_tp``): the checkpoint tensor is the whole shard,
+    never a TP slice of it.
+    """
+    from torch.nn.parameter import UninitializedParameter
+
+    if isinstance(param, UninitializedParameter):
+        return None
+    rows = CHECKPOINT_ROW_MEANINGS[source]
+    cols = "hidden_size"
+    if source == "wq_b" and getattr(attn, "q_lora_rank", None) is not None:
+        cols = "q_lora_rank"
+    if shard is not None:
+        # A slice of a merged linear (wkv_index, fused_qkv_a_proj): vLLM's
+        # loader narrows the tensor to the shard without checking its size.
+        module = _checkpoint_module(attn, source)
+        partitions = list(module.output_partition_sizes)
+        if param_suffix != "weight" or _shape_of(param) != (
+            sum(partitions),
+            module.input_size,
+        ):
+            return None  # a scale or a packed layout: vLLM's loader's business
+        if getattr(param, "is_sharded_weight", False):
+            num_rows = partitions[shard]
+        else:
+            num_rows = module.output_sizes[shard]
+        return (num_rows, module.input_size), f"{rows} x {cols}"
+    shape = _shape_of(param)
+    if param_suffix == "weight" and len(shape) == 2:
+        return shape, f"{rows} x {cols}"
+    if source == "k_norm" and len(shape) == 1:
+        return shape, rows
+    # A quantized wq_index's scales: ReplicatedLinear loads them whole.
+    return shape, f"the shape of parameter '{target}'"
+
+
+def _shape_matches(got: Shape, expected: Shape) -> bool:
+    if got == expected:
+        return True
+    # A per-tensor scale, stored as () or (1,) for a one-element parameter.
+    return {got, expected} <= {(), (1,)}
+
+
+def fp8_scale_fits(weight_shape: Shape, scale_shape: Shape) -> bool:
+    """Whether :func:`dequantize_fp8_block` can apply a scale of
+    ``scale_shape`` to an fp8 weight of ``weight_shape``."""
+    if len(weight_shape) != 2 or len(scale_shape) not in (1, 2):
+        return False
+    if len(scale_shape) == 1:
+        scale_shape = (scale_shape[0], 1)
+    for size, num_scales in zip(weight_shape, scale_shape, strict=True):
+        if num_scales < 1:
+            return False
+        try:
+            _fp8_block(size, num_scales)
+        except ValueError:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Destination:
+    """Where one checkpoint tensor of a DSA layer loads."""
+
+    ckpt: str  # the layer's checkpoint prefix
+    target: str  # the parameter
+    shard: int | None  # the shard of a merged parameter
+    source: str  # the checkpoint module: ``wk``, ``q_a_proj``, ...
+    param_suffix: str  # ``weight``, ``bias``, ``weight_scale_inv``, ...
+    seen: str | None  # the indexer tensor it completes (``wk.weight``)
+
+
 class DSAWeightRouter:
     """Loads the tensors 0.33.0's Kimi K3 loaders cannot place for DSA layers.
 
@@ -363,9 +480,10 @@ class DSAWeightRouter:
     reach the loader, e.g. ``layers.3.self_attn.``) to its parameter prefix
     (e.g. ``layers.3.self_attn.`` in the target model,
     ``model.layers.5.mtp_block.self_attn.`` in the MTP draft) and module. An
-    indexer tensor the layer does not have raises at once; what each layer
-    received is recorded on it (:class:`DSALayerLoadState`) for
-    :func:`check_dsa_indexers_complete`.
+    indexer tensor the layer does not have, or a tensor whose shape does not
+    fit its parameter (shard), raises at once, before any weight loader
+    runs; what each layer received is recorded on it
+    (:class:`DSALayerLoadState`) for :func:`check_dsa_indexers_complete`.
     """
 
     def __init__(
@@ -393,10 +511,10 @@ class DSAWeightRouter:
                 return ckpt
         return None
 
-    def route(self, name: str) -> tuple[str, int | None] | None:
-        """The parameter and shard id a checkpoint name loads into, or None
-        when 0.33.0's loader places it correctly itself. Raises for an
-        indexer tensor the layer does not have."""
+    def _destination(self, name: str) -> _Destination | None:
+        """Where ``name`` loads, or None when 0.33.0's loader places it
+        correctly itself. Raises for an indexer tensor the layer does not
+        have."""
         ckpt = self._layer_of(name)
         if ckpt is None:
             return None
@@ -422,19 +540,60 @@ class DSAWeightRouter:
                     f"tensor '{name}' in the checkpoint; this layer's indexer "
                     f"takes {takes}"
                 )
-            state.seen.add(suffix)
-            return target, mapping[1]
+            return _Destination(ckpt, target, mapping[1], sub, param_suffix, suffix)
         shard = FUSED_QKV_A_CHECKPOINT_NAMES.get(head)
         if shard is not None and hasattr(attn, "fused_qkv_a_proj"):
             target = f"{param_prefix}fused_qkv_a_proj.{suffix}"
             if target in self.params_dict:
-                return target, shard
+                return _Destination(ckpt, target, shard, head, suffix, None)
         return None
+
+    def _mark_seen(self, dest: _Destination) -> None:
+        if dest.seen is not None:
+            self.states[dest.ckpt].seen.add(dest.seen)
+
+    def _check_shape(
+        self,
+        ckpt: str,
+        name: str,
+        loaded_weight: torch.Tensor,
+        expected: tuple[Shape, str],
+    ) -> None:
+        """Refuse a tensor that does not fit: vLLM's merged loader would
+        truncate it silently, the others assert without naming it."""
+        got = _shape_of(loaded_weight)
+        shape, meaning = expected
+        if _shape_matches(got, shape):
+            return
+        hint = "; it looks transposed" if len(got) == 2 and got[::-1] == shape else ""
+        raise ValueError(
+            f"Kimi K3.1 DSA layer '{self.states[ckpt].label}': checkpoint tensor "
+            f"'{name}' has shape {got}, expected {shape} ({meaning}){hint}"
+        )
+
+    def _check_fp8_scale(
+        self, ckpt: str, name: str, scale: torch.Tensor, weight_shape: Shape
+    ) -> None:
+        """Refuse a scale that does not tile the fp8 weight it dequantizes
+        (checked on arrival, whichever half of the pair comes first)."""
+        got = _shape_of(scale)
+        if fp8_scale_fits(weight_shape, got):
+            return
+        out_rows, in_cols = weight_shape
+        blocks = (-(-out_rows // FP8_BLOCK), -(-in_cols // FP8_BLOCK))
+        raise ValueError(
+            f"Kimi K3.1 DSA layer '{self.states[ckpt].label}': checkpoint tensor "
+            f"'{name}' has shape {got}, expected {blocks} (the "
+            f"{FP8_BLOCK}x{FP8_BLOCK} block scales of the {weight_shape} fp8 "
+            f"weight; per-channel ({out_rows},) or ({out_rows}, 1), or another "
+            "block size that divides the weight, also loads)"
+        )
 
     def _maybe_upcast(self, name: str, loaded_weight: torch.Tensor) -> str | None:
         """An fp8 ``wq_b`` / ``wk`` (weight or scale) bound for a bf16
-        parameter: buffered until its other half arrives, then dequantized and
-        loaded. Returns the parameter name, or None when not this case."""
+        parameter: shape-checked on arrival, buffered until its other half
+        arrives, then dequantized and loaded. Returns the parameter name, or
+        None when not this case."""
         ckpt = self._layer_of(name)
         if ckpt is None:
             return None
@@ -444,7 +603,7 @@ class DSAWeightRouter:
         sub, _, suffix = rest[len(CHECKPOINT_INDEXER) + 1 :].partition(".")
         if sub not in UPCAST_INDEXER_PROJECTIONS:
             return None
-        param_prefix, _ = self.layers[ckpt]
+        param_prefix, attn = self.layers[ckpt]
         module_name, shard = INDEXER_CHECKPOINT_NAMES[sub]
         target = f"{param_prefix}{MODULE_INDEXER}.{module_name}.weight"
         param = self.params_dict.get(target)
@@ -455,6 +614,12 @@ class DSAWeightRouter:
             return None
         state = self.states[ckpt]
         state.touched = True
+        expected = expected_checkpoint_shape(attn, sub, "weight", target, param, shard)
+        if expected is not None:
+            if is_fp8_weight:
+                self._check_shape(ckpt, name, loaded_weight, expected)
+            else:
+                self._check_fp8_scale(ckpt, name, loaded_weight, expected[0])
         entry = state.pending.setdefault(sub, {})
         entry["weight" if is_fp8_weight else "scale"] = (name, loaded_weight)
         if "weight" in entry and "scale" in entry:
@@ -488,12 +653,23 @@ class DSAWeightRouter:
         upcast = self._maybe_upcast(name, loaded_weight)
         if upcast is not None:
             return upcast
-        routed = self.route(name)
-        if routed is None:
+        dest = self._destination(name)
+        if dest is None:
             return None
-        target, shard = routed
-        self._load_into(target, loaded_weight, shard)
-        return target
+        _, attn = self.layers[dest.ckpt]
+        expected = expected_checkpoint_shape(
+            attn,
+            dest.source,
+            dest.param_suffix,
+            dest.target,
+            self.params_dict[dest.target],
+            dest.shard,
+        )
+        if expected is not None:
+            self._check_shape(dest.ckpt, name, loaded_weight, expected)
+        self._load_into(dest.target, loaded_weight, dest.shard)
+        self._mark_seen(dest)
+        return dest.target
 
     def check_complete(self) -> None:
         """:func:`check_dsa_indexers_complete` over this router's layers."""
