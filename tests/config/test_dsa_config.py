@@ -23,6 +23,7 @@ from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
 )
 
 ROPE_MODEL = {"mla_use_nope": False}
+TINY_LINEAR = tiny_text_config()["linear_attn_config"]
 
 
 def dsa(**changes: Any) -> dict[str, Any]:
@@ -194,6 +195,19 @@ BAD_CHECKPOINTS = [
         {"dsa_config": dsa(index_n_heads=32)},
         ValueError,
         r"unknown field\(s\) \['index_n_heads'\]",
+    ),
+    (
+        "kda-layer-outside-the-model",
+        {"linear_attn_config": {**TINY_LINEAR, "kda_layers": [1, 2, 3, 9]}},
+        ValueError,
+        r"linear_attn_config.kda_layers holds \[9\], which are not layers of this "
+        r"model: layers are numbered 1..5 \(1-indexed\)",
+    ),
+    (
+        "kda-layer-twice",
+        {"linear_attn_config": {**TINY_LINEAR, "kda_layers": [1, 2, 3, 3]}},
+        ValueError,
+        r"linear_attn_config.kda_layers lists layer\(s\) \[3\] twice",
     ),
     (
         "kv-lora-256",
@@ -391,9 +405,9 @@ def test_dsa_config_parsed(tiny_checkpoint, engine_config):
     parsed = text_config.dsa_config
     assert isinstance(parsed, DSAConfig)
     assert (parsed.index_topk, parsed.index_head_dim, parsed.index_num_heads) == (
-        64,
         128,
-        4,
+        128,
+        32,
     )
     assert parsed.index_layers == (5, 4)
     # 0.33.0's FlashMLA sparse metadata builder reads the top-level field.

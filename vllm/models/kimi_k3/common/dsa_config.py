@@ -213,6 +213,24 @@ def full_attention_layers(text_config: KimiLinearConfig) -> tuple[int, ...]:
     )
 
 
+def check_layer_lists(linear_attn_config: Mapping[str, Any], num_layers: int) -> None:
+    """``kda_layers`` / ``full_attn_layers`` name layers of the model, once
+    each: the packed cache counts the KDA states by ``len(kda_layers)``, so an
+    entry that names no layer, or a layer twice, would size states no layer
+    has."""
+    for field in ("kda_layers", "full_attn_layers"):
+        layers = list(linear_attn_config.get(field) or ())
+        outside = [layer for layer in layers if not 1 <= layer <= num_layers]
+        if outside:
+            raise ValueError(
+                f"linear_attn_config.{field} holds {outside}, which are not layers "
+                f"of this model: layers are numbered 1..{num_layers} (1-indexed)"
+            )
+        twice = sorted({layer for layer in layers if layers.count(layer) > 1})
+        if twice:
+            raise ValueError(f"linear_attn_config.{field} lists layer(s) {twice} twice")
+
+
 def check_dsa_model(dsa: DSAConfig, text_config: KimiLinearConfig) -> None:
     """The rules that tie ``dsa_config`` to the rest of the text config."""
     qk_rope_head_dim = text_config.qk_rope_head_dim or 0
@@ -234,8 +252,10 @@ def check_dsa_model(dsa: DSAConfig, text_config: KimiLinearConfig) -> None:
             f"max_position_embeddings ({max_positions}): no context holds more "
             "tokens to select, and the top-k buffer grows with index_topk"
         )
-    full_attn = full_attention_layers(text_config)
     linear_attn_config = text_config.linear_attn_config
+    if linear_attn_config is not None:
+        check_layer_lists(linear_attn_config, text_config.num_hidden_layers)
+    full_attn = full_attention_layers(text_config)
     declared = (
         None
         if linear_attn_config is None
@@ -245,7 +265,7 @@ def check_dsa_model(dsa: DSAConfig, text_config: KimiLinearConfig) -> None:
         raise ValueError(
             "every full-attention layer must be a DSA layer: "
             f"linear_attn_config['full_attn_layers'] is {list(declared)}, but the "
-            f"layers that are not KDA layers are {list(full_attn)}"
+            f"layers that are not KDA layers are {list(full_attn)} (1-indexed)"
         )
     if dsa.index_layers is not None and sorted(dsa.index_layers) != list(full_attn):
         raise ValueError(
@@ -271,14 +291,14 @@ def check_dsa_serving(text_config: KimiLinearConfig) -> None:
         ("qk_rope_head_dim", SPARSE_MLA_ROPE_DIM),
     ):
         value = getattr(text_config, name, None)
-        if value != needed or isinstance(value, bool):
+        if type(value) is not int or value != needed:
             raise ValueError(
                 f"{name} must be {needed} for Kimi-K3.1 DSA, got {value!r}: "
                 "FlashMLA sparse reads the fp8_ds_mla cache as "
                 f"{SPARSE_MLA_KV_LORA_RANK} latent + {SPARSE_MLA_ROPE_DIM} rope "
                 "values per token"
             )
-    if not getattr(text_config, "mla_use_nope", False):
+    if getattr(text_config, "mla_use_nope", None) is not True:
         raise ValueError(
             "mla_use_nope must be true for Kimi-K3.1 DSA: vLLM 0.33.0's Kimi K3 "
             "decoder layer builds NoPE MLA layers only (it asserts this before "
@@ -370,6 +390,24 @@ def resolve_dsa_cache_dtype(cache_dtype: str) -> str:
     return resolved
 
 
+def check_mxfp4_indexer(dsa: DSAConfig, prefill_context_parallel_size: int) -> None:
+    """The model-side rules of MXFP4 indexer keys (the GPU rule is
+    :func:`check_indexer_kv_dtype`'s): they are written only by the fused key
+    insert (layernorm k-norm, no indexer rope) and not gathered under PCP."""
+    if not (dsa.index_k_norm_type == "layernorm" and dsa.index_rope_dim == 0):
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' needs the fused Kimi K3 DSA key insert "
+            "(index_k_norm_type='layernorm', index_rope_dim=0), got "
+            f"index_k_norm_type={dsa.index_k_norm_type!r}, "
+            f"index_rope_dim={dsa.index_rope_dim}"
+        )
+    if prefill_context_parallel_size > 1:
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' is not supported with prefill context "
+            "parallelism for Kimi K3 DSA."
+        )
+
+
 def check_indexer_kv_dtype(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
     """Validate ``--attention-config '{"indexer_kv_dtype": ...}'``.
 
@@ -387,18 +425,7 @@ def check_indexer_kv_dtype(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
         )
     if requested != "mxfp4":
         return
-    if not (dsa.index_k_norm_type == "layernorm" and dsa.index_rope_dim == 0):
-        raise ValueError(
-            "indexer_kv_dtype='mxfp4' needs the fused Kimi K3 DSA key insert "
-            "(index_k_norm_type='layernorm', index_rope_dim=0), got "
-            f"index_k_norm_type={dsa.index_k_norm_type!r}, "
-            f"index_rope_dim={dsa.index_rope_dim}"
-        )
-    if vllm_config.parallel_config.prefill_context_parallel_size > 1:
-        raise ValueError(
-            "indexer_kv_dtype='mxfp4' is not supported with prefill context "
-            "parallelism for Kimi K3 DSA."
-        )
+    check_mxfp4_indexer(dsa, vllm_config.parallel_config.prefill_context_parallel_size)
     if current_platform.is_cuda() and not current_platform.is_device_capability_family(
         100
     ):

@@ -9,6 +9,11 @@ indexer keys), the KDA states of one request, the block size, and how many
 tokens and full-length requests fit. It uses the same arithmetic the engine
 sizes the cache with (``dsa_cache``).
 
+The config is built and checked with the engine's own config classes and
+rules (``dsa_config``) before any arithmetic: a checkpoint that ``vllm serve``
+refuses, or a bad flag, is refused with one line on stderr that names the file
+and the field, and exit status 2.
+
     kimi-k3-dsa-kv-plan --tp 8 --kv-budget 60GiB
     python -m vllm.models.kimi_k3.common.dsa_kv_plan --config ckpt/config.json
 
@@ -27,14 +32,24 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
+if TYPE_CHECKING:
+    from vllm.models.kimi_k3.common.dsa_config import KimiLinearDSAConfig
+
+PROG = "kimi-k3-dsa-kv-plan"
 BUNDLED_CONFIG = "kimi_k3_1_config.json"
-INDEXER_KV_DTYPES = ("auto", "fp8", "mxfp4")
-# Dense MLA drafts whose pages share the DSA row (see dsa_cache).
-DRAFT_METHODS = ("eagle3", "dspark")
+CONFIG_FILE = "config.json"
+# A config.json is a few KiB: a larger file (the weights, a log) is refused
+# before it is read into memory.
+MAX_CONFIG_BYTES = 16 * 2**20
+# The model types whose HF config class parses dsa_config (the hf_config
+# seam): text-only Kimi K3, and the multimodal one with a nested text_config.
+TEXT_MODEL_TYPE = "kimi_linear"
+MULTIMODAL_MODEL_TYPE = "kimi_k3"
 # Kernel pages of the two DSA caches on CUDA: DeepGEMM's indexer reads 64-token
 # pages, FlashMLA sparse multiples of 64.
 KERNEL_BLOCK_SIZES = (64, 64)
@@ -50,6 +65,18 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
+# What the HF config classes raise on a field of the wrong type or value:
+# they index, divide and assert on the raw JSON values.
+_CONFIG_BUILD_ERRORS = (
+    TypeError,
+    ValueError,
+    LookupError,
+    AttributeError,
+    AssertionError,
+    ArithmeticError,
+    NotImplementedError,
+)
+_MISSING = object()
 
 
 class PlanError(ValueError):
@@ -100,36 +127,241 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def load_text_config(path: str | Path | None) -> tuple[dict[str, Any], str]:
-    """The text config of a checkpoint ``config.json`` (a multimodal Kimi K3
-    config nests it under ``text_config``) and a name for it."""
+def _one_line(error: BaseException) -> str:
+    """The message of ``error`` on one line (an error is one stderr line)."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    names = {dict: "object", list: "array", str: "string", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _got(value: Any) -> str:
+    """How a refusal shows a bad JSON value (or its absence), as JSON."""
+    if value is _MISSING:
+        return "it is missing"
+    shown = json.dumps(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return f"got {shown} ({_json_type(value)})"
+
+
+def _require_int(name: str, field: str, value: Any, minimum: int | None) -> None:
+    """A JSON integer (not a boolean, float or string), >= ``minimum``."""
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or (minimum is not None and value < minimum)
+    ):
+        kind = {None: "an integer", 0: "an integer >= 0", 1: "a positive integer"}
+        wanted = kind.get(minimum, f"an integer >= {minimum}")
+        raise PlanError(f"{name}: {field} must be {wanted}; {_got(value)}")
+
+
+def _config_path(path: str | Path, flag: str) -> Path:
+    """A checkpoint directory stands for its ``config.json``."""
+    if str(path).strip() == "":
+        raise PlanError(f"{flag} is empty: give a config.json or its directory")
+    path = Path(path)
+    return path / CONFIG_FILE if path.is_dir() else path
+
+
+def _read_json(path: Path, what: str) -> Any:
+    """The JSON value in ``path``; every way reading it can fail is a
+    :class:`PlanError` that names the file."""
+    prefix = f"cannot read the {what} {path}"
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise PlanError(f"{prefix}: {e.strerror or _one_line(e)}") from e
+    if len(data) > MAX_CONFIG_BYTES:
+        raise PlanError(
+            f"{prefix}: it is over {MAX_CONFIG_BYTES // 2**20} MiB, not a "
+            "config.json (the weights?)"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanError(
+            f"{prefix}: byte {e.start} is not UTF-8 text; is it a binary file? "
+            "Give a config.json"
+        ) from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(
+            f"{prefix}: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from e
+    except RecursionError as e:
+        raise PlanError(f"{prefix}: its JSON is nested too deeply") from e
+
+
+def _require_object(name: str, raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise PlanError(
+            f"{name} is not a model config: it holds a JSON {_json_type(raw)}, "
+            "not an object"
+        )
+    return raw
+
+
+def load_text_config(path: str | Path | None) -> tuple[KimiLinearDSAConfig, str]:
+    """The checked text config of a checkpoint ``config.json`` (default: the
+    bundled Kimi K3.1 config) and a name for it; see
+    :func:`build_text_config`."""
     if path is None:
         # Beside this module (installed or editable): a namespace package's
         # resources would resolve to upstream's tree.
         data = Path(__file__).resolve().parent / "data" / BUNDLED_CONFIG
-        raw, name = json.loads(data.read_text()), f"bundled {BUNDLED_CONFIG}"
+        raw, name = _read_json(data, "bundled config"), f"bundled {BUNDLED_CONFIG}"
     else:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise PlanError(f"cannot read the checkpoint config {path}: {e}") from e
-        name = str(path)
-    text = raw.get("text_config", raw)
-    if not isinstance(text, dict) or text.get("dsa_config") is None:
+        config_path = _config_path(path, "--config")
+        raw, name = _read_json(config_path, "checkpoint config"), str(config_path)
+    return build_text_config(raw, name), name
+
+
+def build_text_config(raw: Any, name: str) -> KimiLinearDSAConfig:
+    """Build the text config from a parsed ``config.json`` with the engine's
+    HF config classes and run the engine's DSA rules on it, so that the plan
+    refuses what ``vllm serve`` refuses and its arithmetic sees only a model
+    the engine would serve.
+
+    The fields the classes compute with are typed first: the classes would
+    fail on them with messages that name no field.
+    """
+    from vllm.models.kimi_k3.common.dsa_config import (
+        KimiK3DSAConfig,
+        KimiLinearDSAConfig,
+        check_dsa_model,
+        check_dsa_serving,
+    )
+
+    raw = _require_object(name, raw)
+    model_type = raw.get("model_type")
+    if model_type is not None and model_type not in (
+        TEXT_MODEL_TYPE,
+        MULTIMODAL_MODEL_TYPE,
+    ):
+        raise PlanError(
+            f"{name}: model_type {model_type!r} is not Kimi K3: vLLM reads "
+            f"dsa_config for model_type {TEXT_MODEL_TYPE!r} (text) or "
+            f"{MULTIMODAL_MODEL_TYPE!r} (multimodal, with a text_config)"
+        )
+    multimodal = model_type == MULTIMODAL_MODEL_TYPE or (
+        model_type is None and "text_config" in raw
+    )
+    text = raw.get("text_config", _MISSING) if multimodal else raw
+    if not isinstance(text, dict):
+        raise PlanError(
+            f"{name}: text_config must be a JSON object (the language model's "
+            f"config); {_got(text)}"
+        )
+    # A multimodal config with dsa_config at the top level is refused by
+    # KimiK3DSAConfig below, with a message that says where it belongs.
+    misplaced_dsa = multimodal and raw.get("dsa_config") is not None
+    if text.get("dsa_config") is None and not misplaced_dsa:
         raise PlanError(f"{name} is not a Kimi K3.1 DSA config: it has no dsa_config")
     if text.get("linear_attn_config") is None:
         raise PlanError(
             f"{name} has no linear_attn_config: the packed DSA plan is for the "
             "KDA-hybrid Kimi K3.1"
         )
+    _check_field_types(text, name)
+    try:
+        if multimodal:
+            text_config = KimiK3DSAConfig(**raw).text_config
+        else:
+            text_config = KimiLinearDSAConfig(**raw)
+        # As the engine's verify_dsa_vllm_config does on the built config.
+        check_dsa_model(text_config.dsa_config, text_config)
+        check_dsa_serving(text_config)
+    except KeyError as e:
+        raise PlanError(f"{name}: field {e.args[0]!r} is missing") from e
+    except (ValueError, NotImplementedError) as e:
+        raise PlanError(f"{name}: {_one_line(e)}") from e
+    except _CONFIG_BUILD_ERRORS as e:
+        raise PlanError(
+            f"{name}: not a valid Kimi K3 config ({type(e).__name__}: {_one_line(e)})"
+        ) from e
+    return text_config
+
+
+def _check_field_types(text: Mapping[str, Any], name: str) -> None:
+    """Type the fields that ``KimiLinearConfig`` and the plan compute with
+    (``hidden_size // num_attention_heads``, ``range(num_hidden_layers)``,
+    the KDA state shapes); their values are the engine rules' business."""
+    for field in (
+        "num_hidden_layers",
+        "num_attention_heads",
+        "hidden_size",
+        "max_position_embeddings",
+    ):
+        if field in text:
+            _require_int(name, field, text[field], minimum=1)
+    for field in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        if text.get(field) is not None:
+            _require_int(name, field, text[field], minimum=None)
+    linear = text["linear_attn_config"]
+    if not isinstance(linear, dict):
+        raise PlanError(
+            f"{name}: linear_attn_config must be a JSON object; {_got(linear)}"
+        )
+    for field in ("kda_layers", "full_attn_layers"):
+        layers = linear.get(field, _MISSING)
+        if not isinstance(layers, list) or not all(
+            isinstance(layer, int) and not isinstance(layer, bool) for layer in layers
+        ):
+            raise PlanError(
+                f"{name}: linear_attn_config.{field} must be a list of 1-indexed "
+                f"layer numbers; {_got(layers)}"
+            )
+    for field in ("num_heads", "head_dim", "short_conv_kernel_size"):
+        value = linear.get(field, _MISSING)
+        _require_int(name, f"linear_attn_config.{field}", value, minimum=1)
+
+
+def load_draft_config(path: str | Path) -> tuple[dict[str, Any], str]:
+    """The text config (as JSON) of a dense MLA draft's ``config.json`` and a
+    name for it; its fields are checked by :func:`make_plan`."""
+    config_path = _config_path(path, "--draft-config")
+    name = str(config_path)
+    raw = _require_object(name, _read_json(config_path, "draft config"))
+    text = raw.get("text_config", raw)
+    if not isinstance(text, dict):
+        raise PlanError(f"{name}: text_config must be a JSON object; {_got(text)}")
     return text, name
 
 
+def _draft_bytes_per_token(
+    draft_text: Mapping[str, Any], name: str, method: str, cache_dtype: str
+) -> int:
+    """What the engine's ``dense_mla_draft_bytes_per_token`` counts: the
+    draft's layers x one MLA page per token in the target's cache dtype."""
+    from vllm.models.kimi_k3.common import dsa_cache
+
+    if draft_text.get("kv_lora_rank") is None:
+        raise PlanError(
+            f"{name} has no kv_lora_rank: --draft-method {method} plans a dense "
+            "MLA draft, whose pages share the DSA row; give its config.json"
+        )
+    _require_int(name, "kv_lora_rank", draft_text["kv_lora_rank"], minimum=1)
+    layers = draft_text.get("num_hidden_layers", _MISSING)
+    _require_int(name, "num_hidden_layers", layers, minimum=1)
+    rope = draft_text.get("qk_rope_head_dim") or 0
+    _require_int(name, "qk_rope_head_dim", rope, minimum=0)
+    return layers * dsa_cache.mla_page_bytes_per_token(
+        cache_dtype, draft_text["kv_lora_rank"], rope
+    )
+
+
 def make_plan(
-    text: dict[str, Any],
+    text_config: KimiLinearDSAConfig,
     *,
     config_name: str = "config",
     tp: int = 8,
@@ -138,78 +370,91 @@ def make_plan(
     kv_cache_dtype: str = "auto",
     max_model_len: int | None = None,
     draft_method: str | None = None,
-    draft_text: dict[str, Any] | None = None,
+    draft_text: Mapping[str, Any] | None = None,
+    draft_config_name: str = "draft config",
     num_speculative_tokens: int = 0,
 ) -> KVPlan:
+    """The plan for a text config checked by :func:`build_text_config`."""
     from vllm.models.kimi_k3.common import dsa_cache
     from vllm.models.kimi_k3.common.dsa_config import (
-        DSAConfig,
+        DSA_INDEXER_KV_DTYPES,
+        check_mxfp4_indexer,
         resolve_dsa_cache_dtype,
     )
 
-    dsa = DSAConfig.from_dict(text["dsa_config"])
-    linear = text["linear_attn_config"]
-    num_dsa = len(linear["full_attn_layers"])
-    num_kda = len(linear["kda_layers"])
-    kda_heads = linear["num_heads"]
+    # The flags, on their own.
     if tp < 1:
         raise PlanError(f"--tp must be a positive integer, got {tp}")
+    if indexer_kv_dtype not in DSA_INDEXER_KV_DTYPES:
+        raise PlanError(
+            f"unknown indexer key dtype {indexer_kv_dtype!r}: accepted values are "
+            f"{', '.join(DSA_INDEXER_KV_DTYPES)} (auto = fp8, 132 B/token at head "
+            "dim 128; mxfp4 = 68 B/token, SM10x only)"
+        )
+    try:
+        cache_dtype = resolve_dsa_cache_dtype(kv_cache_dtype)
+    except ValueError as e:
+        raise PlanError(str(e)) from e
+    if max_model_len is not None and max_model_len <= 0:
+        raise PlanError("--max-model-len must be a positive number of tokens")
+    if num_speculative_tokens < 0:
+        raise PlanError("--num-speculative-tokens must be >= 0")
+    if draft_method is not None:
+        if draft_method not in dsa_cache.DENSE_MLA_DRAFT_METHODS:
+            raise PlanError(
+                f"unknown draft method {draft_method!r}: the dense MLA drafts "
+                "whose pages share the DSA row are "
+                f"{', '.join(dsa_cache.DENSE_MLA_DRAFT_METHODS)}"
+            )
+        if draft_text is None:
+            raise PlanError(
+                f"--draft-method {draft_method} needs --draft-config, the "
+                "config.json of a dense MLA draft (with kv_lora_rank)"
+            )
+    elif draft_text is not None:
+        raise PlanError(
+            "--draft-config needs --draft-method "
+            f"({' or '.join(dsa_cache.DENSE_MLA_DRAFT_METHODS)}): only a dense "
+            "MLA draft's pages share the DSA row"
+        )
+
+    # The flags against the model.
+    dsa = text_config.dsa_config
+    linear = text_config.linear_attn_config
+    num_dsa, num_kda = dsa_cache.dsa_layer_counts(text_config)
+    kda_heads = linear["num_heads"]
     if kda_heads % tp:
         raise PlanError(
             f"--tp {tp} does not divide the {kda_heads} KDA heads "
             "(linear_attn_config.num_heads): vLLM shards the KDA states by head. "
             f"Use a TP size that divides {kda_heads}."
         )
-    attn_heads = text.get("num_attention_heads", kda_heads)
+    attn_heads = text_config.num_attention_heads
     if attn_heads % tp:
         raise PlanError(
             f"--tp {tp} does not divide the {attn_heads} attention heads "
             "(num_attention_heads)."
         )
-    if indexer_kv_dtype not in INDEXER_KV_DTYPES:
-        raise PlanError(
-            f"unknown indexer key dtype {indexer_kv_dtype!r}: accepted values are "
-            f"{', '.join(INDEXER_KV_DTYPES)} (auto = fp8, 132 B/token at head dim "
-            "128; mxfp4 = 68 B/token, SM10x only)"
-        )
     use_fp4 = indexer_kv_dtype == "mxfp4"
-    if use_fp4 and not (
-        dsa.index_k_norm_type == "layernorm" and dsa.index_rope_dim == 0
-    ):
-        raise PlanError(
-            "indexer_kv_dtype='mxfp4' needs the fused Kimi K3 DSA key insert "
-            "(index_k_norm_type='layernorm', index_rope_dim=0)."
-        )
-    try:
-        cache_dtype = resolve_dsa_cache_dtype(kv_cache_dtype)
-    except ValueError as e:
-        raise PlanError(str(e)) from e
+    if use_fp4:
+        try:
+            check_mxfp4_indexer(dsa, prefill_context_parallel_size=1)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
     if max_model_len is None:
-        max_model_len = int(text.get("max_position_embeddings", 0))
-    if max_model_len <= 0:
-        raise PlanError("--max-model-len must be a positive number of tokens")
-    if num_speculative_tokens < 0:
-        raise PlanError("--num-speculative-tokens must be >= 0")
+        max_model_len = text_config.max_position_embeddings
 
-    kv_lora_rank = text["kv_lora_rank"]
-    rope = text.get("qk_rope_head_dim") or 0
-    mla = dsa_cache.fp8_ds_mla_bytes_per_token(kv_lora_rank, rope)
-    assert cache_dtype == "fp8_ds_mla"
+    # What the engine sizes the packed cache with (target_mla_bytes_per_token,
+    # dense_mla_draft_bytes_per_token, packed_dsa_block_size), on numbers.
+    mla = dsa_cache.mla_page_bytes_per_token(
+        cache_dtype, text_config.kv_lora_rank, text_config.qk_rope_head_dim or 0
+    )
     index = dsa_cache.indexer_cache_entry_bytes(dsa.index_head_dim, use_fp4)
     draft = 0
     if draft_method is not None:
-        if draft_method not in DRAFT_METHODS:
-            raise PlanError(
-                f"unknown draft method {draft_method!r}: the dense MLA drafts "
-                f"whose pages share the DSA row are {', '.join(DRAFT_METHODS)}"
-            )
-        if draft_text is None or draft_text.get("kv_lora_rank") is None:
-            raise PlanError(
-                f"--draft-method {draft_method} needs --draft-config, the "
-                "config.json of a dense MLA draft (with kv_lora_rank)"
-            )
-        draft = draft_text["num_hidden_layers"] * dsa_cache.fp8_ds_mla_bytes_per_token(
-            draft_text["kv_lora_rank"], draft_text.get("qk_rope_head_dim") or 0
+        assert draft_text is not None
+        draft = _draft_bytes_per_token(
+            draft_text, draft_config_name, draft_method, cache_dtype
         )
     row = dsa_cache.packed_row_bytes_per_token(num_dsa, mla, index, draft)
     state = dsa_cache.kda_state_bytes(
@@ -248,7 +493,7 @@ def make_plan(
         tp=tp,
         kv_budget_bytes=kv_budget_bytes,
         max_model_len=max_model_len,
-        num_layers=int(text.get("num_hidden_layers", num_dsa + num_kda)),
+        num_layers=text_config.num_hidden_layers,
         num_dsa_layers=num_dsa,
         num_kda_layers=num_kda,
         kv_cache_dtype=cache_dtype,
@@ -324,9 +569,17 @@ def format_plan(p: KVPlan) -> str:
     return "\n".join(lines)
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """Reports a bad flag as a :class:`PlanError`, so that :func:`main` prints
+    it as its one error line (argparse would print the usage and exit)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise PlanError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kimi-k3-dsa-kv-plan",
+    parser = _ArgumentParser(
+        prog=PROG,
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument(
@@ -356,34 +609,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens of a full-length request (default: max_position_embeddings)",
     )
     parser.add_argument("--draft-method", help="dense MLA draft: eagle3 or dspark")
-    parser.add_argument("--draft-config", help="the draft's config.json")
+    parser.add_argument("--draft-config", help="the draft's config.json or directory")
     parser.add_argument("--num-speculative-tokens", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Print the plan and return 0; or refuse a bad input with one line on
+    stderr (naming the flag, or the file and its field) and return 2."""
     try:
-        text, name = load_text_config(args.config)
-        draft_text = None
+        args = build_parser().parse_args(argv)
+        kv_budget_bytes = parse_bytes(args.kv_budget)
+        text_config, name = load_text_config(args.config)
+        draft_text, draft_name = None, "draft config"
         if args.draft_config is not None:
-            draft_raw = json.loads(Path(args.draft_config).read_text())
-            draft_text = draft_raw.get("text_config", draft_raw)
+            draft_text, draft_name = load_draft_config(args.draft_config)
         plan = make_plan(
-            text,
+            text_config,
             config_name=name,
             tp=args.tp,
-            kv_budget_bytes=parse_bytes(args.kv_budget),
+            kv_budget_bytes=kv_budget_bytes,
             indexer_kv_dtype=args.indexer_kv_dtype,
             kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=args.max_model_len,
             draft_method=args.draft_method,
             draft_text=draft_text,
+            draft_config_name=draft_name,
             num_speculative_tokens=args.num_speculative_tokens,
         )
-    except (PlanError, ValueError, OSError) as e:
-        print(f"kimi-k3-dsa-kv-plan: error: {e}", file=sys.stderr)
+    except (PlanError, ValueError, OSError, NotImplementedError) as e:
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     print(json.dumps(asdict(plan), indent=2) if args.json else format_plan(plan))
     return 0
