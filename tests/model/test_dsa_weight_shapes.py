@@ -26,9 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-D = pytest.importorskip("vllm.models.kimi_k3.nvidia.dsa")
-
-from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (  # noqa: E402
+from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
     CHECKPOINT_FILE,
     TINY_DSA_CONFIG,
     TINY_FULL_ATTN_LAYERS,
