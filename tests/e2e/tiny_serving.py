@@ -2,11 +2,12 @@
 """Serve the tiny Kimi K3.1 checkpoint through vLLM and compare the outputs.
 
 Helpers of ``tests/e2e``: run ``vllm.LLM`` on a checkpoint with given engine
-arguments (greedy, with logprobs), start ``vllm serve`` as a subprocess, and
-compare two runs the way vLLM's own model tests do: tokens must agree until
-the first position where they differ, and there each run's token must be among
-the other run's top logprobs (a precision difference, not a wrong model);
-the logprobs of the agreeing prefix must be within a tolerance.
+arguments (greedy, with logprobs; recording the KV cache it allocated), start
+``vllm serve`` as a subprocess, and compare two runs the way vLLM's own model
+tests do: tokens must agree until the first position where they differ, and
+there each run's token must be among the other run's top logprobs (a precision
+difference, not a wrong model); the logprobs of the agreeing prefix must be
+within a tolerance.
 """
 
 from __future__ import annotations
@@ -43,6 +44,28 @@ PROMPT_VOCAB = 1000
 MAX_NUM_SEQS = 16
 # The first request of an engine includes JIT compiles (DeepGEMM, Triton).
 GENERATE_TIMEOUT_S = 240.0
+# Chosen-token logprob tolerance (nats) over the agreeing prefix of each
+# prompt no longer than top-k. There every cached token is selected, so two
+# correct paths differ by rounding only: measured on the H200 (2026-11-30) at
+# most 0.062 for every comparison of test_tiny_serving (eager/graphs, batched,
+# the two prefill paths, fused/wrapper, DSA/dense MLA). The tiny model is
+# random and chaotic (a rounding difference can flip an MoE routing decision),
+# so the bound is about 2.5x that. Long prompts are held to the token check
+# only: near-tie indexer scores can select a different boundary token (even
+# run to run of one configuration), which moved logprobs by up to 0.33.
+SHORT_PROMPT_TOL = 0.15
+# The decode-context-parallel run (test_two_gpus): vLLM 0.33.0's DCP top-k
+# merge (_merge_dcp_topk_global) takes index_topk 512, 1024 or 2048 only, so it
+# serves the tiny checkpoint with top-k 512. Prompts: one no longer than top-k,
+# one longer (the merge selects among both ranks' tokens), one longer than
+# twice top-k (each rank's shard alone exceeds top-k, so each rank's local
+# top-k selects too), shortest first. Prefill steps of at most 1024 tokens
+# split the longest prompt, so its second chunk is a prefill with context
+# (FlashMLA sparse's chunked-context path, DCP-gathered).
+DCP_INDEX_TOPK = 512
+DCP_PROMPT_LENS = (300, 700, 1500)
+DCP_MAX_MODEL_LEN = 2048
+DCP_MAX_NUM_BATCHED_TOKENS = 1024
 # Each engine takes a share of the GPU, so a slow shutdown of the previous one
 # cannot starve the next.
 GPU_MEMORY_UTILIZATION = 0.25
@@ -77,6 +100,49 @@ class EngineRun:
     # What the DSA layers of the target model ran (see dsa_forward_paths).
     forward_paths: list[str]
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The KV cache vLLM allocated (see kv_cache_allocation).
+    kv_cache: KVCacheAllocation | None = None
+
+
+@dataclass
+class KVCacheAllocation:
+    """The KV cache an engine allocated, read after it started.
+
+    ``block_size`` and ``num_gpu_blocks`` are the front end's
+    ``cache_config`` (synced from the engine core's ready response);
+    ``workers`` holds, per worker, what its model runner allocated
+    (``kv_cache_config``: ``num_blocks`` and each group's spec) and the KV
+    budget it gave the planner (``available_kv_cache_memory_bytes``, the figure
+    of vLLM's "Available KV cache memory" log line, in bytes), plus the
+    ``NCCL_*`` environment the worker ran with.
+    """
+
+    block_size: int | None
+    num_gpu_blocks: int | None
+    workers: list[dict[str, Any]]
+    # Why the allocation could not be read, if it could not.
+    error: str | None = None
+
+    @property
+    def kv_budget_bytes(self) -> int | None:
+        """The budget the blocks were planned from: vLLM gives every rank
+        the smallest rank's block count (``get_kv_cache_configs``)."""
+        budgets = [w.get("available_kv_cache_memory_bytes") for w in self.workers]
+        if not budgets or None in budgets:
+            return None
+        return min(budgets)
+
+    @property
+    def token_block_sizes(self) -> list[int]:
+        """Block sizes of the token-cache (non-state) groups of every worker."""
+        return sorted(
+            {
+                g["block_size"]
+                for w in self.workers
+                for g in w.get("groups", [])
+                if not g["state"]
+            }
+        )
 
 
 @contextlib.contextmanager
@@ -149,6 +215,7 @@ def run_llm(
         load_s = time.perf_counter() - start
         try:
             paths = sorted({p for ps in llm.apply_model(dsa_forward_paths) for p in ps})
+            kv_cache = kv_cache_allocation(llm)
             start = time.perf_counter()
             completions = generate(llm, prompt_ids[:1])
             first_s = time.perf_counter() - start
@@ -164,6 +231,7 @@ def run_llm(
         first_s,
         paths,
         {k: v for k, v in kwargs.items() if k != "model"},
+        kv_cache,
     )
 
 
@@ -220,6 +288,50 @@ def dsa_forward_paths(model: Any) -> list[str]:
         else:
             paths.add("wrapper")
     return sorted(paths)
+
+
+def kv_cache_allocation(llm: Any) -> KVCacheAllocation:
+    """What ``llm``'s engine allocated for the KV cache (see
+    :class:`KVCacheAllocation`). A failure to read it is recorded, not
+    raised: the token checks of the run do not depend on it."""
+    allocation = KVCacheAllocation(None, None, [])
+    try:
+        cache_config = llm.llm_engine.vllm_config.cache_config
+        allocation.block_size = cache_config.block_size
+        allocation.num_gpu_blocks = cache_config.num_gpu_blocks
+        allocation.workers = list(llm.collective_rpc(worker_kv_cache, timeout=60))
+    except Exception as exc:  # recorded for the KV plan tests to show
+        allocation.error = f"{type(exc).__name__}: {exc}"
+    return allocation
+
+
+def worker_kv_cache(worker: Any) -> dict[str, Any]:
+    """In a worker process: its KV budget, the blocks and groups its model
+    runner allocated, and its ``NCCL_*`` environment."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    config = getattr(getattr(worker, "model_runner", None), "kv_cache_config", None)
+    groups = []
+    for group in getattr(config, "kv_cache_groups", None) or []:
+        spec = group.kv_cache_spec
+        groups.append(
+            {
+                "spec": type(spec).__name__,
+                "block_size": getattr(spec, "block_size", None),
+                "state": isinstance(spec, MambaSpec),
+                "num_layers": len(group.layer_names),
+            }
+        )
+    available = getattr(worker, "available_kv_cache_memory_bytes", None)
+    return {
+        "rank": getattr(worker, "rank", None),
+        "available_kv_cache_memory_bytes": (
+            None if available is None else int(available)
+        ),
+        "num_blocks": getattr(config, "num_blocks", None),
+        "groups": groups,
+        "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+    }
 
 
 def _shutdown(llm: Any) -> None:
@@ -300,6 +412,22 @@ def compare(a: EngineRun, b: EngineRun, check_logprobs: bool = True) -> Agreemen
         sum(diffs) / len(diffs) if diffs else None,
         prompt_max,
         problems,
+    )
+
+
+def assert_agree(agreement: Agreement, num_short: int = len(SHORT_PROMPT_LENS)) -> None:
+    """No token outside the other run's top 5; the first ``num_short``
+    prompts (those no longer than top-k) within :data:`SHORT_PROMPT_TOL`."""
+    assert not agreement.problems, agreement.problems
+    short = agreement.prompt_max_logprob_diff[:num_short]
+    assert all(d is not None and d <= SHORT_PROMPT_TOL for d in short), agreement
+
+
+def batched(run: EngineRun) -> EngineRun:
+    """``run`` with its batched completions in place of the one-at-a-time
+    ones (to compare them with :func:`compare`)."""
+    return dataclasses.replace(
+        run, label=f"{run.label}-batched", completions=run.batched
     )
 
 
@@ -434,3 +562,56 @@ def _tail(path: Path, lines: int = 60) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def gpu_count_skip_reason(needed: int) -> str | None:
+    """Why a test that needs ``needed`` CUDA GPUs cannot run here, or None."""
+    try:
+        import torch
+    except ImportError:
+        return f"needs {needed} CUDA GPUs (torch is not installed)"
+    count = torch.cuda.device_count()
+    if count < needed:
+        return f"needs {needed} CUDA GPUs, this host has {count}"
+    return None
+
+
+def multi_gpu_env() -> dict[str, str]:
+    """What every engine of a multi-GPU test adds to the host's environment:
+    NVLink multicast (NVLS) off, as the lent hosts require; and where CuTe DSL
+    is missing (the offline H200 bundle), Kimi K3's GEMM + all-reduce off
+    (on by default from TP 2, it imports CuTe DSL and would fail at load, not
+    in our code). The host's other ``NCCL_*`` variables pass through."""
+    from vllm.utils.import_utils import has_cutedsl
+
+    env = {"NCCL_NVLS_ENABLE": "0"}
+    if "VLLM_KIMI_K3_GEMM_AR" not in os.environ and not has_cutedsl():
+        env["VLLM_KIMI_K3_GEMM_AR"] = "0"
+    return env
+
+
+def assert_nvls_off(run: EngineRun) -> None:
+    """Every worker of ``run`` saw ``NCCL_NVLS_ENABLE=0``."""
+    assert run.kv_cache is not None and run.kv_cache.workers, run.kv_cache
+    for worker in run.kv_cache.workers:
+        assert worker["nccl_env"].get("NCCL_NVLS_ENABLE") == "0", worker
+
+
+def kv_plan(
+    config: Path, tp: int, kv_budget_bytes: int, max_model_len: int
+) -> dict[str, Any]:
+    """``kimi-k3-dsa-kv-plan --json`` (its ``main``) for a checkpoint."""
+    import io
+
+    from vllm.models.kimi_k3.common.dsa_kv_plan import main
+
+    out, err = io.StringIO(), io.StringIO()
+    args = [
+        "--config", str(config), "--tp", str(tp),
+        "--kv-budget", str(kv_budget_bytes),
+        "--max-model-len", str(max_model_len), "--json",
+    ]  # fmt: skip
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(args)
+    assert status == 0, err.getvalue()
+    return json.loads(out.getvalue())

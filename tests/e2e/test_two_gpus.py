@@ -1,0 +1,188 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Kimi K3.1 DSA served by vLLM 0.33.0 on two GPUs, end to end.
+
+The tiny checkpoint is served with tensor parallelism 2 (TP2) and with decode
+context parallelism 2 over TP2 (DCP2), and the greedy outputs are compared
+with one GPU's (``tiny_serving.compare``: equal tokens, or a near-tie at the
+first differing position, which the report names; prompts no longer than
+top-k within ``SHORT_PROMPT_TOL``). The KV cache that vLLM allocated at TP2 is
+checked against ``kimi-k3-dsa-kv-plan``.
+
+Select them with ``-k two_gpus`` (or ``-k tp2``, ``-k dcp2``):
+
+    bash tests/e2e/e2e_gpu_run.sh -k two_gpus
+
+Every engine process runs with ``NCCL_NVLS_ENABLE=0`` (NVLink multicast stays
+off on the test host); the host's other ``NCCL_*`` variables pass through.
+
+Not here, because vLLM 0.33.0 refuses it before any layer is built: a head
+count that TP does not divide (the DSA layer's head padding), see
+``tests/config/test_tp_head_padding.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from tiny_serving import (
+    DCP_INDEX_TOPK,
+    DCP_MAX_MODEL_LEN,
+    DCP_MAX_NUM_BATCHED_TOKENS,
+    DCP_PROMPT_LENS,
+    LONG_PROMPT_LENS,
+    MAX_MODEL_LEN,
+    SHORT_PROMPT_LENS,
+    EngineRun,
+    assert_agree,
+    assert_nvls_off,
+    batched,
+    compare,
+    gpu_count_skip_reason,
+    kv_plan,
+    multi_gpu_env,
+    prompts,
+)
+
+pytestmark = pytest.mark.gpu
+
+ALL_PROMPTS = prompts(SHORT_PROMPT_LENS + LONG_PROMPT_LENS)
+DCP_PROMPTS = prompts(DCP_PROMPT_LENS)
+TP2 = {"tensor_parallel_size": 2}
+DCP2 = {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def two_gpus(request: pytest.FixtureRequest) -> None:
+    """Skip the module without two GPUs, or without vLLM (``e2e_ready``)."""
+    reason = gpu_count_skip_reason(2)
+    if reason is not None:
+        pytest.skip(reason)
+    request.getfixturevalue("e2e_ready")
+
+
+@pytest.fixture(scope="session")
+def engine_env(two_gpus: None) -> dict[str, str]:
+    return multi_gpu_env()
+
+
+@pytest.fixture(scope="session")
+def tiny_dsa_topk512(e2e_dir: Path) -> Path:
+    """The tiny checkpoint with a top-k that vLLM's DCP merge takes."""
+    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+        TINY_DSA_CONFIG,
+        write_tiny_checkpoint,
+    )
+
+    return write_tiny_checkpoint(
+        e2e_dir / "tiny-k3.1-topk512",
+        dsa_config={**TINY_DSA_CONFIG, "index_topk": DCP_INDEX_TOPK},
+    )
+
+
+def _runs(
+    engine_runs: Callable[..., EngineRun], model: Path, env: dict[str, str], mode: str
+) -> tuple[EngineRun, EngineRun]:
+    """(one GPU, TP2) runs of ``ALL_PROMPTS``, CUDA graphs or eager."""
+    extra = {"enforce_eager": True} if mode == "eager" else {}
+    tp1 = engine_runs(f"tiny-tp1-{mode}", model, ALL_PROMPTS, env=env, **extra)
+    tp2 = engine_runs(f"tiny-tp2-{mode}", model, ALL_PROMPTS, env=env, **TP2, **extra)
+    return tp1, tp2
+
+
+@pytest.mark.parametrize("mode", ["graphs", "eager"])
+def test_tp2_equals_tp1(mode, engine_runs, tiny_dsa, engine_env, report_agreement):
+    """TP2 splits the MLA heads (2 per rank) and the KDA heads; the DSA caches
+    and the indexer are replicated, so every rank selects the same top-k and
+    the tokens are one GPU's. Batched too (a long prompt beside short ones)."""
+    tp1, tp2 = _runs(engine_runs, tiny_dsa, engine_env, mode)
+    assert tp2.forward_paths == ["fused"], tp2.forward_paths
+    assert_nvls_off(tp2)
+    agreement = compare(tp1, tp2)
+    report_agreement(f"tiny-tp1-vs-tp2-{mode}", agreement)
+    assert_agree(agreement)
+    agreement = compare(tp1, batched(tp2))
+    report_agreement(f"tiny-tp1-vs-tp2-{mode}-batched", agreement)
+    assert_agree(agreement)
+
+
+def test_tp2_kv_plan_matches_allocation(engine_runs, tiny_dsa, engine_env, report):
+    """The plan's block size and block count at TP2 are what vLLM allocated.
+
+    The block size is read from the allocated token-cache groups (each
+    worker's ``kv_cache_config``), not from the front end's
+    ``cache_config.block_size``: that is the smallest block of every
+    prefix-cacheable group, the KDA state groups included (whose block is
+    ``max_model_len`` in ``mamba_cache_mode`` none), so it need not be the
+    packed row. The budget is the one vLLM planned from: each worker's
+    ``available_kv_cache_memory_bytes`` (the "Available KV cache memory" log
+    line, in bytes), the smallest of the two, as every rank gets the smallest
+    rank's block count.
+    """
+    _, tp2 = _runs(engine_runs, tiny_dsa, engine_env, "graphs")
+    kv = tp2.kv_cache
+    assert kv is not None and kv.error is None, kv
+    budget = kv.kv_budget_bytes
+    report(
+        "kv_cache",
+        label=tp2.label,
+        block_size=kv.block_size,
+        num_gpu_blocks=kv.num_gpu_blocks,
+        kv_budget_bytes=budget,
+        workers=kv.workers,
+    )
+    assert budget is not None, kv.workers
+    plan = kv_plan(tiny_dsa, 2, budget, MAX_MODEL_LEN)
+    report("kv_plan", label=tp2.label, plan=plan)
+    assert kv.token_block_sizes == [plan["block_size"]], (kv.workers, plan)
+    assert kv.num_gpu_blocks, kv
+    assert [w["num_blocks"] for w in kv.workers] == [kv.num_gpu_blocks] * 2, kv
+    # vLLM's bytes per block lie in (budget / (n + 1), budget / n].
+    implied = (budget // (kv.num_gpu_blocks + 1), budget // kv.num_gpu_blocks)
+    assert kv.num_gpu_blocks == plan["num_blocks"], (
+        f"vLLM allocated {kv.num_gpu_blocks} blocks of {implied[0]}-{implied[1]} "
+        f"B from {budget} B; the plan says {plan['num_blocks']} blocks of "
+        f"{plan['block_bytes']} B",
+        kv.workers,
+    )
+
+
+def test_dcp2_equals_one_gpu(
+    engine_runs, tiny_dsa_topk512, engine_env, report_agreement
+):
+    """DCP2 over TP2 shards the KV cache across the two ranks; each rank's
+    indexer selects its local top-k and vLLM merges them into the global
+    top-k (``_merge_dcp_topk_global``). Prompts longer than top-k (512) make
+    the merge select, and one longer than twice top-k makes each rank's local
+    top-k select too; prefill steps of 1024 tokens split the longest prompt
+    (a prefill with context: the chunked-context path, DCP-gathered). The
+    fused forward does not take DCP: the wrapper runs, with the fused key
+    insert."""
+    from vllm.utils.import_utils import has_cutedsl
+
+    if not has_cutedsl():
+        pytest.skip(
+            "DCP's top-k merge (vLLM's _merge_dcp_topk_global) needs CuTe DSL: "
+            "vllm.utils.import_utils.has_cutedsl() is False (no 'cutlass' "
+            "package on this host)"
+        )
+    common = dict(
+        env=engine_env,
+        max_model_len=DCP_MAX_MODEL_LEN,
+        max_num_batched_tokens=DCP_MAX_NUM_BATCHED_TOKENS,
+    )
+    one = engine_runs("topk512-tp1-graphs", tiny_dsa_topk512, DCP_PROMPTS, **common)
+    dcp = engine_runs(
+        "topk512-tp2-dcp2-graphs", tiny_dsa_topk512, DCP_PROMPTS, **common, **DCP2
+    )
+    assert dcp.forward_paths == ["wrapper+fused-insert"], dcp.forward_paths
+    assert_nvls_off(dcp)
+    # The prompts no longer than top-k come first.
+    num_short = sum(n <= DCP_INDEX_TOPK for n in DCP_PROMPT_LENS)
+    agreement = compare(one, dcp)
+    report_agreement("tp1-vs-dcp2", agreement)
+    assert_agree(agreement, num_short)
+    agreement = compare(one, batched(dcp))
+    report_agreement("tp1-vs-dcp2-batched", agreement)
+    assert_agree(agreement, num_short)
