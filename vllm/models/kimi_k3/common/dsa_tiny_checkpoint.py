@@ -21,6 +21,11 @@ checkpoint names it, ``self_attn.indexer.{wq_b, wk, weights_proj, k_norm}``,
 and the MLA projections unfused (``q_a_proj``, ``kv_a_proj_with_mqa``,
 ``g_proj``).
 
+``--real-attention`` (:func:`real_attention_overrides`) gives Kimi K3.1's
+attention at its real size (96 heads, 12 per rank at TP 8; the indexer's 32
+heads of 128, top-k 2048) with the rest still small, for tensor-parallel
+tests; see :data:`TINY_REAL_ATTENTION`.
+
     python -m vllm.models.kimi_k3.common.dsa_tiny_checkpoint OUT_DIR
     vllm serve OUT_DIR --skip-tokenizer-init --max-model-len 1024
 
@@ -121,6 +126,65 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
 }
 
 
+# Kimi K3.1's attention at its real size, everything else small: the shape of
+# the TP 8 deployment on each rank (12 of the 96 MLA heads, the indexer's 32
+# heads of 128 replicated, top-k 2048). Every head count divides by 8 (and by
+# 16, the packed block's reference TP). The layers are the real model's first
+# four (three KDA, one DSA) and there is no MTP layer: each DSA layer costs
+# ~110 MB whatever the hidden size (q_b_proj alone is 18432 x 1536). The KDA
+# layers keep the real head dim (128) with 80 heads, not 96: one state is then
+# large enough against the one-DSA-layer row that the packed block is the real
+# model's at every TP (8192, 4096 and 1024 tokens at TP 1, 2 and 8). The MoE
+# and MLP widths give 64 columns per rank at TP 8.
+TINY_REAL_ATTENTION_KDA_LAYERS = [1, 2, 3]
+TINY_REAL_ATTENTION_FULL_ATTN_LAYERS = [4]
+
+TINY_REAL_ATTENTION: dict[str, Any] = {
+    "num_hidden_layers": 4,
+    "num_attention_heads": 96,
+    "num_key_value_heads": 96,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "mla_use_nope": True,
+    "mla_use_output_gate": True,
+    "max_position_embeddings": 4096,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 512,
+    "num_nextn_predict_layers": 0,
+    "linear_attn_config": {
+        "kda_layers": TINY_REAL_ATTENTION_KDA_LAYERS,
+        "full_attn_layers": TINY_REAL_ATTENTION_FULL_ATTN_LAYERS,
+        "num_heads": 80,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+        "use_full_rank_gate": True,
+        "gate_lower_bound": -5.0,
+    },
+    "dsa_config": {
+        "index_topk": 2048,
+        "index_head_dim": 128,
+        "index_num_heads": 32,
+        "index_rope_dim": 0,
+        "index_k_norm_type": "layernorm",
+        "index_topk_freq": 1,
+    },
+}
+
+
+def real_attention_overrides(dsa: bool = True) -> dict[str, Any]:
+    """Text-config overrides (a fresh copy of :data:`TINY_REAL_ATTENTION`) for
+    :func:`write_tiny_checkpoint` and friends: Kimi K3.1's real attention
+    dimensions on a small model. ``dsa=False`` leaves out ``dsa_config``, as
+    the plain Kimi K3 config has none."""
+    overrides = copy.deepcopy(TINY_REAL_ATTENTION)
+    if not dsa:
+        del overrides["dsa_config"]
+    return overrides
+
+
 # The multimodal checkpoint (KimiK3ForConditionalGeneration): a one-block
 # MoonViT vision tower and the patch-merger projector, shrunk likewise.
 TINY_VISION_CONFIG: dict[str, Any] = {
@@ -199,11 +263,15 @@ def _write_files(
             tensors.update(_random_tensors(vision, seed + 1, None))
         else:
             tensors = tiny_checkpoint_tensors(config, seed=seed, prefix=prefix)
+        weights_path = directory / CHECKPOINT_FILE
         save_file(
             {name: t.contiguous() for name, t in tensors.items()},
-            str(directory / CHECKPOINT_FILE),
+            str(weights_path),
             metadata={"format": "pt"},
         )
+        # safetensors writes through a private temporary file: give the
+        # weights the mode config.json gets, so whoever serves can read them.
+        weights_path.chmod(_dir_mode(None) & 0o666)
         names.append(CHECKPOINT_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2) + "\n")
     names.append(CONFIG_FILE)
@@ -694,6 +762,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write the multimodal KimiK3ForConditionalGeneration checkpoint",
     )
+    parser.add_argument(
+        "--real-attention",
+        action="store_true",
+        help="Kimi K3.1's real attention dimensions (96 heads, 12 per rank at "
+        "TP 8; 32 x 128 indexer heads, top-k 2048), the rest small (~220 MB)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="random seed (0)")
     parser.add_argument(
         "--force",
@@ -722,6 +796,7 @@ def main(argv: list[str] | None = None) -> None:
         _exit(f"cannot inspect {args.out_dir}: {_reason(error)}", 1)
 
     dsa = not args.no_dsa
+    overrides = real_attention_overrides(dsa) if args.real_attention else None
     try:
         aside = _write_checkpoint_dir(
             target,
@@ -731,6 +806,7 @@ def main(argv: list[str] | None = None) -> None:
                 weights=not args.config_only,
                 seed=seed,
                 multimodal=args.multimodal,
+                overrides=overrides,
             ),
         )
     except _WriteFailed as failure:
@@ -751,6 +827,8 @@ def main(argv: list[str] | None = None) -> None:
                 file=sys.stderr,
             )
     kind = "Kimi K3.1" if dsa else "plain Kimi K3"
+    if args.real_attention:
+        kind += " (real attention dimensions)"
     files = "config.json" if args.config_only else f"config.json, {CHECKPOINT_FILE}"
     replaced = " (replacing its old contents)" if aside is not None else ""
     print(f"wrote a tiny {kind} checkpoint ({files}) to {target}{replaced}")

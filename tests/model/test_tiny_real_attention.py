@@ -1,0 +1,465 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The tiny checkpoint with Kimi K3.1's real attention dimensions
+(``kimi-k3-dsa-tiny-checkpoint --real-attention``) at TP 1, 2 and 8, on the
+CPU: the shape each rank of the TP 8 deployment runs (12 of the 96 MLA heads,
+the indexer's 32 heads replicated, a 1024-token packed KV block), without 8
+GPUs.
+
+What runs for real, and what stands in:
+
+* vLLM 0.33.0's configuration path, ``EngineArgs(model=...,
+  tensor_parallel_size=tp).create_engine_config()`` under
+  ``VLLM_TARGET_DEVICE=cpu``, at TP 1, 2 and 8: the HF config parsing,
+  ``ModelConfig.verify_with_parallel_config`` (the 96 heads divide by TP),
+  the ``ParallelConfig`` (world size 8: the config path counts no devices;
+  only starting the workers would need them), our general plugin and the
+  Kimi K3.1 DSA verifier.
+* The block-size seam, ``update_block_size_for_backend`` (what the worker
+  runs once the model is built), on that config; the worker's attention
+  backends are given directly (FlashMLA sparse and our indexer backend, what
+  an SM90 worker's layers report): the CPU cannot build the CUDA layers.
+* The plan command (``kimi-k3-dsa-kv-plan``'s ``main``, in-process) on the
+  written ``config.json``, and on the bundled Kimi K3.1 config.
+* vLLM's packer and planner on the KV specs a worker of the variant reports
+  (built here, as ``tests/cache`` builds Kimi K3.1's).
+* The DSA layer (``KimiK3DSAAttention``) at TP 2 and 8 with the TP size that
+  it and vLLM's linears read patched (one CPU process cannot form a TP
+  group): the per-rank shapes are the layer code's own. The whole model is
+  built and loaded at TP 1 only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+safetensors = pytest.importorskip("safetensors")
+
+from vllm.models.kimi_k3.common import dsa_kv_plan  # noqa: E402
+from vllm.models.kimi_k3.common import dsa_tiny_checkpoint as T  # noqa: E402
+
+TP_SIZES = (1, 2, 8)
+HEADS = 96
+INDEX_HEADS, INDEX_DIM = 32, 128
+HIDDEN = T.TINY_TEXT_CONFIG["hidden_size"]
+Q_LORA, KV_LORA = 1536, 512
+QK_NOPE, QK_ROPE, V_DIM = 128, 64, 128
+KDA_HEADS, KDA_DIM = 80, 128
+# Kimi K3.1's packed block at these TP sizes (tests/cache/test_kv_plan.py).
+REAL_BLOCK = {1: 8192, 2: 4096, 8: 1024}
+MAX_MODEL_LEN = 4096
+KV_BUDGET = 2**30
+BUNDLED = Path(dsa_kv_plan.__file__).parent / "data" / dsa_kv_plan.BUNDLED_CONFIG
+DSA_LAYER = T.TINY_REAL_ATTENTION_FULL_ATTN_LAYERS[0] - 1  # 0-indexed
+# The fields of Kimi K3.1's attention, as the bundled config spells them.
+ATTENTION_FIELDS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "mla_use_nope",
+    "mla_use_output_gate",
+    "dsa_config",
+)
+
+
+def variant_config() -> dict[str, Any]:
+    return T.tiny_text_config(**T.real_attention_overrides())
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The variant, written by the command line."""
+    out = tmp_path_factory.mktemp("real_attention") / "ckpt"
+    T.main([str(out), "--real-attention"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine_configs(checkpoint: Path) -> dict[int, Any]:
+    """vLLM's engine config of the variant at each TP size."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        pytest.skip("vLLM 0.33.0 is not installed")
+    return {
+        tp: EngineArgs(
+            model=str(checkpoint),
+            tensor_parallel_size=tp,
+            max_model_len=MAX_MODEL_LEN,
+            enable_prefix_caching=False,
+            skip_tokenizer_init=True,
+        ).create_engine_config()
+        for tp in TP_SIZES
+    }
+
+
+def plan(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    """``kimi-k3-dsa-kv-plan ARGS --json``, in-process."""
+    capsys.readouterr()  # drop vLLM's logs of earlier steps
+    assert dsa_kv_plan.main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def variant_plan(capsys, checkpoint: Path, tp: int) -> dict[str, Any]:
+    return plan(
+        capsys, "--config", str(checkpoint), "--tp", str(tp),
+        "--kv-budget", str(KV_BUDGET), "--max-model-len", str(MAX_MODEL_LEN),
+    )  # fmt: skip
+
+
+# -- the variant ---------------------------------------------------------------
+
+
+def test_attention_fields_are_kimi_k3_1s() -> None:
+    real = json.loads(BUNDLED.read_text())
+    config = variant_config()
+    for field in ATTENTION_FIELDS:
+        assert config[field] == real[field], field
+    real_kda, kda = real["linear_attn_config"], config["linear_attn_config"]
+    assert kda["head_dim"] == real_kda["head_dim"] == KDA_DIM
+    assert kda["short_conv_kernel_size"] == real_kda["short_conv_kernel_size"]
+    assert kda["num_heads"] == KDA_HEADS
+    # Every head count shards at TP 8 and at the block's reference TP 16.
+    for heads in (config["num_attention_heads"], config["num_key_value_heads"]):
+        assert heads % 16 == 0
+    assert KDA_HEADS % 16 == 0
+    assert config["max_position_embeddings"] >= config["dsa_config"]["index_topk"]
+    # Small elsewhere: the real model's first four layers, no MTP layer.
+    assert config["num_hidden_layers"] == 4
+    assert (kda["kda_layers"], kda["full_attn_layers"]) == ([1, 2, 3], [4])
+    assert config["num_nextn_predict_layers"] == 0
+    assert config["hidden_size"] == HIDDEN == 256
+    assert config["vocab_size"] == 1024
+    # 64 MLP and MoE columns per rank at TP 8.
+    assert config["intermediate_size"] // 8 == 64
+    assert config["moe_intermediate_size"] * config["num_shared_experts"] // 8 == 64
+    assert config["moe_intermediate_size"] // 8 == 64
+
+
+def test_overrides_are_a_copy_and_the_defaults_stand() -> None:
+    overrides = T.real_attention_overrides()
+    overrides["dsa_config"]["index_topk"] = 1
+    overrides["linear_attn_config"]["kda_layers"].append(9)
+    assert T.TINY_REAL_ATTENTION["dsa_config"]["index_topk"] == 2048
+    assert T.TINY_REAL_ATTENTION_KDA_LAYERS == [1, 2, 3]
+    tiny = T.tiny_text_config()
+    assert tiny["num_attention_heads"] == 4
+    assert tiny["dsa_config"]["index_topk"] == 128
+    assert tiny["linear_attn_config"]["kda_layers"] == [1, 2, 3]
+    assert "dsa_config" not in T.real_attention_overrides(dsa=False)
+
+
+def test_cli_writes_the_variant(checkpoint: Path) -> None:
+    from safetensors import safe_open
+
+    config = json.loads((checkpoint / T.CONFIG_FILE).read_text())
+    assert config == variant_config()
+    weights = checkpoint / T.CHECKPOINT_FILE
+    expected = T.tiny_checkpoint_shapes(config)
+    with safe_open(str(weights), framework="pt") as f:
+        names = f.keys()  # a safe_open handle is not iterable
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in names}
+    assert shapes == expected
+    p = f"model.layers.{DSA_LAYER}.self_attn."
+    assert shapes[p + "q_b_proj.weight"] == (HEADS * (QK_NOPE + QK_ROPE), Q_LORA)
+    assert shapes[p + "kv_b_proj.weight"] == (HEADS * (QK_NOPE + V_DIM), KV_LORA)
+    assert shapes[p + "o_proj.weight"] == (HIDDEN, HEADS * V_DIM)
+    assert shapes[p + "g_proj.weight"] == (HEADS * V_DIM, HIDDEN)
+    assert shapes[p + "indexer.wq_b.weight"] == (INDEX_HEADS * INDEX_DIM, Q_LORA)
+    assert shapes[p + "indexer.weights_proj.weight"] == (INDEX_HEADS, HIDDEN)
+    assert shapes[p + "indexer.k_norm.bias"] == (INDEX_DIM,)  # LayerNorm k-norm
+    # bf16 values plus the safetensors header: ~209 MiB.
+    size = weights.stat().st_size
+    numel = sum(torch.Size(s).numel() for s in expected.values())
+    assert 2 * numel < size < 2 * numel + 2**20
+    assert size < 224 * 2**20
+
+
+def test_cli_flag_with_config_only_and_no_dsa(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    T.main([str(tmp_path / "k31"), "--real-attention", "--config-only"])
+    assert "(real attention dimensions)" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "k31").iterdir()) == [T.CONFIG_FILE]
+    config = json.loads((tmp_path / "k31" / T.CONFIG_FILE).read_text())
+    assert config == variant_config()
+    T.main([str(tmp_path / "k3"), "--real-attention", "--no-dsa", "--config-only"])
+    plain = json.loads((tmp_path / "k3" / T.CONFIG_FILE).read_text())
+    assert "dsa_config" not in plain
+    assert plain["num_attention_heads"] == HEADS
+    assert plain == T.tiny_text_config(dsa=False, **T.real_attention_overrides(False))
+
+
+# -- the engine configuration at TP 1, 2 and 8 --------------------------------
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_engine_config_per_rank_heads(engine_configs: dict[int, Any], tp: int) -> None:
+    cfg = engine_configs[tp]
+    parallel, model = cfg.parallel_config, cfg.model_config
+    assert parallel.tensor_parallel_size == parallel.world_size == tp
+    assert model.get_num_attention_heads(parallel) == HEADS // tp  # 96, 48, 12
+    assert model.use_mla and model.is_hybrid
+    text = model.hf_text_config
+    # The indexer is not sharded: its heads are whole on every rank.
+    assert text.dsa_config.index_num_heads == INDEX_HEADS
+    assert text.dsa_config.index_head_dim == INDEX_DIM
+    assert text.dsa_config.index_topk == 2048
+    assert text.linear_attn_config["num_heads"] % tp == 0
+    assert cfg.cache_config.cache_dtype == "fp8_ds_mla"
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_dsa_layer_shapes_per_rank(
+    dsa_layer_env, monkeypatch: pytest.MonkeyPatch, tp: int
+) -> None:
+    """The DSA layer as rank 0 of TP ``tp`` builds it: the MLA projections
+    hold ``96 / tp`` heads, the indexer all 32 (``ReplicatedLinear`` and a
+    TP-disabled ``[wk | weights_proj]``)."""
+    from vllm.model_executor.layers import linear
+
+    D = pytest.importorskip("vllm.models.kimi_k3.nvidia.dsa")
+    for module in (D, linear):
+        monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: tp)
+    config = dsa_layer_env.text_config(**T.real_attention_overrides())
+    topk = config.dsa_config.index_topk
+    layer = D.KimiK3DSAAttention(
+        config=config,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+        q_lora_rank=config.q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank,
+        cache_config=dsa_layer_env.vllm_config.cache_config,
+        quant_config=None,
+        prefix=dsa_layer_env.prefix(),
+        topk_indices_buffer=torch.full((16, topk), -1, dtype=torch.int32),
+    )
+    local = HEADS // tp
+    assert layer.num_heads == HEADS and layer.num_local_heads == local
+    assert layer.mla_attn.num_heads == local
+    assert layer.q_b_proj.weight.shape == (local * (QK_NOPE + QK_ROPE), Q_LORA)
+    assert layer.kv_b_proj.weight.shape == (local * (QK_NOPE + V_DIM), KV_LORA)
+    assert layer.o_proj.weight.shape == (HIDDEN, local * V_DIM)
+    assert layer.g_proj.weight.shape == (local * V_DIM, HIDDEN)
+    # Replicated: the MLA latent and the whole indexer.
+    assert layer.fused_qkv_a_proj.weight.shape == (Q_LORA + KV_LORA + QK_ROPE, HIDDEN)
+    indexer = layer.dsa_indexer
+    assert indexer.index_num_heads == indexer.padded_index_num_heads == INDEX_HEADS
+    assert indexer.wq_index.weight.shape == (INDEX_HEADS * INDEX_DIM, Q_LORA)
+    assert indexer.wkv_index.weight.shape == (INDEX_DIM + INDEX_HEADS, HIDDEN)
+    assert indexer.topk_tokens == 2048
+    assert indexer.k_cache.head_dim == INDEX_DIM + 4  # fp8 keys + one fp32 scale
+
+
+def test_model_builds_and_loads_at_tp1(dsa_layer_env, checkpoint: Path) -> None:
+    """The real ``KimiLinearForCausalLM`` of the variant takes every tensor
+    of the written checkpoint (a TP 1 rank; no forward)."""
+    from safetensors.torch import load_file
+
+    from vllm.config import set_current_vllm_config
+    from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    text_config = dsa_layer_env.text_config(**T.real_attention_overrides())
+    cfg = dsa_layer_env.vllm_config.with_hf_config(text_config)
+    cfg.model_config.hf_text_config = text_config
+
+    class NoCudaStream:  # KimiLinearModel makes an aux stream; never used here
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    dsa_layer_env.monkeypatch.setattr(torch.cuda, "Stream", NoCudaStream)
+    with set_current_vllm_config(cfg), set_default_torch_dtype(torch.bfloat16):
+        model = KimiLinearForCausalLM(vllm_config=cfg, prefix="")
+    tensors = load_file(str(checkpoint / T.CHECKPOINT_FILE))
+    with torch.no_grad():
+        loaded = model.load_weights(iter(list(tensors.items())))
+    assert loaded == {name for name, _ in model.named_parameters()}
+    attn = model.model.layers[DSA_LAYER].self_attn
+    assert attn.num_local_heads == HEADS
+    p = f"model.layers.{DSA_LAYER}.self_attn."
+    assert torch.equal(attn.q_b_proj.weight, tensors[p + "q_b_proj.weight"])
+    assert torch.equal(
+        attn.dsa_indexer.wq_index.weight, tensors[p + "indexer.wq_b.weight"]
+    )
+
+
+# -- the packed KV block: the engine's sizing and the plan command ------------
+
+
+def _engine_block_size(cfg: Any, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The block size our seam gives inside ``update_block_size_for_backend``
+    (the worker's call), with an SM90 worker's backends; ``cfg`` is left as
+    it was."""
+    from vllm.config import set_current_vllm_config
+    from vllm.models.kimi_k3.common.dsa_cache import KimiK3IndexerBackend
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+
+    backends = [FlashMLASparseBackend, KimiK3IndexerBackend]
+    monkeypatch.setattr(
+        type(current_platform), "_find_non_ssm_backends",
+        classmethod(lambda cls, vllm_config: list(backends)),
+    )  # fmt: skip
+    cache_config = cfg.cache_config
+    saved = (cache_config.block_size, cache_config.mamba_page_size_padded)
+    try:
+        with set_current_vllm_config(cfg):
+            current_platform.update_block_size_for_backend(cfg)
+        return cache_config.block_size
+    finally:
+        cache_config.block_size, cache_config.mamba_page_size_padded = saved
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_plan_equals_the_engine_sizing(
+    engine_configs: dict[int, Any],
+    checkpoint: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tp: int,
+) -> None:
+    from vllm.models.kimi_k3.common.dsa_cache import (
+        dense_mla_draft_bytes_per_token,
+        indexer_cache_entry_bytes,
+        kda_state_bytes_for,
+        kimi_k3_indexer_uses_fp4,
+        packed_dsa_block_size,
+        packed_row_bytes_per_token,
+        target_mla_bytes_per_token,
+    )
+
+    cfg = engine_configs[tp]
+    block = _engine_block_size(cfg, monkeypatch)
+    mla = target_mla_bytes_per_token(cfg)
+    index = indexer_cache_entry_bytes(INDEX_DIM, kimi_k3_indexer_uses_fp4(cfg))
+    state = kda_state_bytes_for(cfg)
+    assert packed_dsa_block_size(cfg, mla, state, 128) == block
+    p = variant_plan(capsys, checkpoint, tp)
+    assert p["block_size"] == block == REAL_BLOCK[tp]
+    assert (p["mla_bytes_per_token"], p["indexer_bytes_per_token"]) == (mla, index)
+    assert (mla, index) == (656, 132)
+    row = packed_row_bytes_per_token(
+        1, mla, index, dense_mla_draft_bytes_per_token(cfg)
+    )
+    assert p["row_bytes_per_token"] == row == 788
+    assert p["kda_state_bytes"] == state
+    # Independent: conv (q, k, v channels, 3 taps, bf16) + fp32 recurrent.
+    local_kda = KDA_HEADS // tp
+    assert state == 3 * local_kda * KDA_DIM * 3 * 2 + local_kda * KDA_DIM**2 * 4
+    assert (p["num_dsa_layers"], p["num_kda_layers"]) == (1, 3)
+    assert (p["states_per_row"], p["num_state_groups"]) == (1, 3)
+
+
+def _worker_specs(block: int, tp: int) -> dict[str, Any]:
+    """The KV specs a TP ``tp`` worker of the variant reports (the runner's
+    64-token kernel-page alignment included), as tests/cache/k3_1_specs.py
+    gives Kimi K3.1's."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SparseCacheRole
+
+    specs: dict[str, Any] = {}
+    for layer in range(4):
+        if layer == DSA_LAYER:
+            specs[f"l{layer}.mla"] = MLAAttentionSpec(
+                block_size=block,
+                block_stride_alignment=MultipleOf(64),
+                num_kv_heads=1,
+                head_size=KV_LORA + QK_ROPE,
+                dtype=torch.uint8,
+                cache_dtype_str="fp8_ds_mla",
+                state_content_bytes=656,
+            )
+            specs[f"l{layer}.index"] = MLAAttentionSpec(
+                block_size=block,
+                block_stride_alignment=MultipleOf(64),
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=INDEX_DIM + 4,
+                dtype=torch.uint8,
+                cache_role=SparseCacheRole.INDEXER,
+            )
+        else:
+            specs[f"l{layer}.kda"] = MambaSpec(
+                block_size=block,
+                shapes=MambaStateShapeCalculator.kda_state_shape(
+                    tp, KDA_HEADS, KDA_DIM
+                ),
+                dtypes=(torch.bfloat16, torch.float32),
+            )
+    return specs
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_planner_allocates_the_plans_blocks(
+    engine_configs: dict[int, Any],
+    checkpoint: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tp: int,
+) -> None:
+    """What the engine core does with its ``tp`` workers' KV specs and a KV
+    budget (``kv_cache_memory_bytes``) on each: vLLM's grouping, per-worker
+    planning and scheduler config give the blocks the plan command counts,
+    of the stride it counts; ``num_blocks`` is what the engine reports as
+    ``cache_config.num_gpu_blocks``, the figure the 8-GPU test checks."""
+    from vllm.v1.core.kv_cache_planning import (
+        get_global_kv_cache_groups,
+        get_kv_cache_configs,
+    )
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    cfg = engine_configs[tp]
+    p = variant_plan(capsys, checkpoint, tp)
+    # The layout the engine core resolves for our block-outermost backends.
+    monkeypatch.setattr(cfg.cache_config, "kv_cache_layout", "BLHNC")
+    specs = [_worker_specs(p["block_size"], tp) for _ in range(tp)]
+    groups = get_global_kv_cache_groups(cfg, specs)
+    kv_cache_configs = get_kv_cache_configs(cfg, specs, [KV_BUDGET] * tp, groups)
+    assert (
+        generate_scheduler_kv_cache_config(kv_cache_configs).num_blocks
+        == (p["num_blocks"])
+    )
+    for kv_cache_config in kv_cache_configs:
+        strides = {t.block_stride for t in kv_cache_config.kv_cache_tensors}
+        assert strides == {p["block_bytes"]}
+
+
+# -- tied to the real model -----------------------------------------------------
+
+
+def test_real_model_plan_at_tp8_and_the_variants_rows(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bundled Kimi K3.1 config plans a 1024-token block at TP 8; the
+    variant's DSA caches take the same bytes per token and DSA layer, and (by
+    the choice of its KDA heads) the same block at TP 1, 2 and 8."""
+    for tp in TP_SIZES:
+        real = plan(
+            capsys, "--tp", str(tp), "--kv-budget", "60GiB",
+            "--max-model-len", str(MAX_MODEL_LEN),
+        )  # fmt: skip
+        ours = variant_plan(capsys, checkpoint, tp)
+        assert real["block_size"] == ours["block_size"] == REAL_BLOCK[tp]
+        for key in ("mla_bytes_per_token", "indexer_bytes_per_token"):
+            assert ours[key] == real[key]
+        assert (
+            ours["row_bytes_per_token"] // ours["num_dsa_layers"]
+            == real["row_bytes_per_token"] // real["num_dsa_layers"]
+            == 656 + 132
+        )
+        assert ours["num_state_groups"] == real["num_state_groups"] == 3
+        if tp == 8:
+            assert real["block_size"] == 1024
