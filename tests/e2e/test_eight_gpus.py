@@ -36,11 +36,11 @@ from typing import Any
 import pytest
 from tiny_serving import (
     EngineRun,
+    assert_allocation_is_the_plan,
     assert_nvls_off,
     batched,
     compare,
     gpu_count_skip_reason,
-    kv_plan,
     multi_gpu_env,
     prompts,
 )
@@ -125,25 +125,5 @@ def test_eight_gpus_kv_cache_is_the_plans(
     ``cache_config.block_size`` is the smallest of all groups', KDA state
     groups included."""
     _, tp8 = _runs(engine_runs, real_attention, engine_env, "graphs")
-    kv = tp8.kv_cache
-    assert kv is not None and kv.error is None, kv
-    budget = kv.kv_budget_bytes
-    report(
-        "kv_cache",
-        label=tp8.label,
-        block_size=kv.block_size,
-        num_gpu_blocks=kv.num_gpu_blocks,
-        kv_budget_bytes=budget,
-        workers=kv.workers,
-    )
-    assert budget is not None, kv.workers
-    plan = kv_plan(real_attention, TP, budget, MAX_MODEL_LEN)
-    report("kv_plan", label=tp8.label, plan=plan)
+    plan = assert_allocation_is_the_plan(tp8, real_attention, TP, MAX_MODEL_LEN, report)
     assert plan["block_size"] == DEPLOYMENT_BLOCK, plan
-    assert kv.token_block_sizes == [plan["block_size"]], (kv.workers, plan)
-    assert [w["num_blocks"] for w in kv.workers] == [kv.num_gpu_blocks] * TP, kv
-    assert kv.num_gpu_blocks == plan["num_blocks"], (
-        f"vLLM allocated {kv.num_gpu_blocks} blocks from {budget} B; the plan "
-        f"says {plan['num_blocks']} blocks of {plan['block_bytes']} B",
-        kv.workers,
-    )

@@ -36,11 +36,11 @@ from tiny_serving import (
     SHORT_PROMPT_LENS,
     EngineRun,
     assert_agree,
+    assert_allocation_is_the_plan,
     assert_nvls_off,
     batched,
     compare,
     gpu_count_skip_reason,
-    kv_plan,
     multi_gpu_env,
     prompts,
 )
@@ -121,31 +121,7 @@ def test_tp2_kv_plan_matches_allocation(engine_runs, tiny_dsa, engine_env, repor
     rank's block count.
     """
     _, tp2 = _runs(engine_runs, tiny_dsa, engine_env, "graphs")
-    kv = tp2.kv_cache
-    assert kv is not None and kv.error is None, kv
-    budget = kv.kv_budget_bytes
-    report(
-        "kv_cache",
-        label=tp2.label,
-        block_size=kv.block_size,
-        num_gpu_blocks=kv.num_gpu_blocks,
-        kv_budget_bytes=budget,
-        workers=kv.workers,
-    )
-    assert budget is not None, kv.workers
-    plan = kv_plan(tiny_dsa, 2, budget, MAX_MODEL_LEN)
-    report("kv_plan", label=tp2.label, plan=plan)
-    assert kv.token_block_sizes == [plan["block_size"]], (kv.workers, plan)
-    assert kv.num_gpu_blocks, kv
-    assert [w["num_blocks"] for w in kv.workers] == [kv.num_gpu_blocks] * 2, kv
-    # vLLM's bytes per block lie in (budget / (n + 1), budget / n].
-    implied = (budget // (kv.num_gpu_blocks + 1), budget // kv.num_gpu_blocks)
-    assert kv.num_gpu_blocks == plan["num_blocks"], (
-        f"vLLM allocated {kv.num_gpu_blocks} blocks of {implied[0]}-{implied[1]} "
-        f"B from {budget} B; the plan says {plan['num_blocks']} blocks of "
-        f"{plan['block_bytes']} B",
-        kv.workers,
-    )
+    assert_allocation_is_the_plan(tp2, tiny_dsa, 2, MAX_MODEL_LEN, report)
 
 
 def test_dcp2_equals_one_gpu(

@@ -24,7 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -615,3 +615,44 @@ def kv_plan(
         status = main(args)
     assert status == 0, err.getvalue()
     return json.loads(out.getvalue())
+
+
+def assert_allocation_is_the_plan(
+    run: EngineRun,
+    config: Path,
+    tp: int,
+    max_model_len: int,
+    report: Callable[..., None],
+) -> dict[str, Any]:
+    """The KV cache ``run``'s engine allocated is what ``kimi-k3-dsa-kv-plan``
+    plans for the budget vLLM planned from (the smallest worker's
+    ``available_kv_cache_memory_bytes``: every rank gets the smallest rank's
+    block count). The block size is read from the token-cache groups: the
+    front end's ``cache_config.block_size`` is the smallest of all groups',
+    KDA state groups included. Returns the plan."""
+    kv = run.kv_cache
+    assert kv is not None and kv.error is None, kv
+    budget = kv.kv_budget_bytes
+    report(
+        "kv_cache",
+        label=run.label,
+        block_size=kv.block_size,
+        num_gpu_blocks=kv.num_gpu_blocks,
+        kv_budget_bytes=budget,
+        workers=kv.workers,
+    )
+    assert budget is not None, kv.workers
+    plan = kv_plan(config, tp, budget, max_model_len)
+    report("kv_plan", label=run.label, plan=plan)
+    assert kv.token_block_sizes == [plan["block_size"]], (kv.workers, plan)
+    assert kv.num_gpu_blocks, kv
+    assert [w["num_blocks"] for w in kv.workers] == [kv.num_gpu_blocks] * tp, kv
+    # vLLM's bytes per block lie in (budget / (n + 1), budget / n].
+    implied = (budget // (kv.num_gpu_blocks + 1), budget // kv.num_gpu_blocks)
+    assert kv.num_gpu_blocks == plan["num_blocks"], (
+        f"vLLM allocated {kv.num_gpu_blocks} blocks of {implied[0]}-{implied[1]} "
+        f"B from {budget} B; the plan says {plan['num_blocks']} blocks of "
+        f"{plan['block_bytes']} B",
+        kv.workers,
+    )
+    return plan
