@@ -40,9 +40,9 @@ from tiny_serving import (
     assert_nvls_off,
     batched,
     compare,
-    gpu_count_skip_reason,
     multi_gpu_env,
     prompts,
+    require_gpus,
 )
 
 pytestmark = pytest.mark.gpu
@@ -59,10 +59,7 @@ DEPLOYMENT_BLOCK = 1024
 @pytest.fixture(scope="session", autouse=True)
 def eight_gpus(request: pytest.FixtureRequest) -> None:
     """Skip the module below 8 GPUs, or without vLLM (``e2e_ready``)."""
-    reason = gpu_count_skip_reason(TP)
-    if reason is not None:
-        pytest.skip(reason)
-    request.getfixturevalue("e2e_ready")
+    require_gpus(request, TP)
 
 
 @pytest.fixture(scope="module")

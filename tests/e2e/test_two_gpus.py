@@ -40,9 +40,9 @@ from tiny_serving import (
     assert_nvls_off,
     batched,
     compare,
-    gpu_count_skip_reason,
     multi_gpu_env,
     prompts,
+    require_gpus,
 )
 
 pytestmark = pytest.mark.gpu
@@ -56,10 +56,7 @@ DCP2 = {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}
 @pytest.fixture(scope="session", autouse=True)
 def two_gpus(request: pytest.FixtureRequest) -> None:
     """Skip the module without two GPUs, or without vLLM (``e2e_ready``)."""
-    reason = gpu_count_skip_reason(2)
-    if reason is not None:
-        pytest.skip(reason)
-    request.getfixturevalue("e2e_ready")
+    require_gpus(request, 2)
 
 
 @pytest.fixture(scope="session")

@@ -576,6 +576,17 @@ def gpu_count_skip_reason(needed: int) -> str | None:
     return None
 
 
+def require_gpus(request: Any, needed: int) -> None:
+    """Skip the requesting test below ``needed`` GPUs, then without vLLM
+    (the ``e2e_ready`` fixture)."""
+    import pytest
+
+    reason = gpu_count_skip_reason(needed)
+    if reason is not None:
+        pytest.skip(reason)
+    request.getfixturevalue("e2e_ready")
+
+
 def multi_gpu_env() -> dict[str, str]:
     """What every engine of a multi-GPU test adds to the host's environment:
     NVLink multicast (NVLS) off, as the lent hosts require; and where CuTe DSL

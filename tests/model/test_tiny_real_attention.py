@@ -224,9 +224,9 @@ def test_dsa_layer_shapes_per_rank(
     """The DSA layer as rank 0 of TP ``tp`` builds it: the MLA projections
     hold ``96 / tp`` heads, the indexer all 32 (``ReplicatedLinear`` and a
     TP-disabled ``[wk | weights_proj]``)."""
+    import vllm.models.kimi_k3.nvidia.dsa as D
     from vllm.model_executor.layers import linear
 
-    D = pytest.importorskip("vllm.models.kimi_k3.nvidia.dsa")
     for module in (D, linear):
         monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: tp)
     config = dsa_layer_env.text_config(**T.real_attention_overrides())
