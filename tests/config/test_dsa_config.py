@@ -501,6 +501,29 @@ def test_dcp_needs_a_topk_the_merge_takes(tiny_checkpoint, engine_config):
     verify_dsa_vllm_config(config)
 
 
+def test_dcp_needs_cute_dsl_on_cuda(tiny_checkpoint, engine_config, monkeypatch):
+    """vLLM 0.33.0's DCP top-k merge has no PyTorch fallback: without CuTe DSL
+    it raises at the first forward, so the config refuses it first. The CPU
+    platform stands in for CUDA here (``is_cuda`` stubbed: no GPU in CI)."""
+    import vllm.utils.import_utils
+    from vllm.platforms import current_platform
+
+    config = engine_config(tiny_checkpoint(dsa_config=dsa(index_topk=512)))
+    config.parallel_config.decode_context_parallel_size = 2
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(vllm.utils.import_utils, "has_cutedsl", lambda: True)
+    verify_dsa_vllm_config(config)
+    monkeypatch.setattr(vllm.utils.import_utils, "has_cutedsl", lambda: False)
+    with pytest.raises(
+        ValueError,
+        match=r"--decode-context-parallel-size 2 needs CuTe DSL \(the "
+        r"'nvidia-cutlass-dsl' package, importable as 'cutlass'\)",
+    ):
+        verify_dsa_vllm_config(config)
+    config.parallel_config.decode_context_parallel_size = 1
+    verify_dsa_vllm_config(config)
+
+
 def _multimodal_checkpoint(path, **top_level):
     path.mkdir()
     config = {**tiny_multimodal_config(dsa=False), **top_level}

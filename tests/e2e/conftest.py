@@ -62,6 +62,20 @@ def tiny_dsa(e2e_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_real_attention(e2e_dir: Path) -> Path:
+    """The tiny checkpoint with Kimi K3.1's real attention dimensions
+    (``--real-attention``: 96 heads, 32 index heads x 128, top-k 2048)."""
+    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+        real_attention_overrides,
+        write_tiny_checkpoint,
+    )
+
+    return write_tiny_checkpoint(
+        e2e_dir / "tiny-k3.1-real-attention", **real_attention_overrides()
+    )
+
+
+@pytest.fixture(scope="session")
 def report() -> Callable[..., None]:
     """Append one JSON record to ``$KIMI_K3_DSA_E2E_REPORT`` (if set)."""
     path = os.environ.get("KIMI_K3_DSA_E2E_REPORT")

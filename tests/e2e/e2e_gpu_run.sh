@@ -2,9 +2,12 @@
 # Runs tests/e2e (vLLM 0.33.0 serving the tiny Kimi K3.1 checkpoint) on a CUDA
 # GPU host where vLLM and this package are installed, from the project root.
 # Logs and the JSON-lines report go to ${OUT:-e2e-logs}/. Extra arguments go to
-# pytest. KIMI_K3_DSA_STACK_DUMP_S=N makes every Python process print its
+# pytest; E2E_PATHS (default tests/e2e) names the test files, run in that
+# order. KIMI_K3_DSA_STACK_DUMP_S=N makes every Python process print its
 # stacks every N seconds (tests/e2e/diagnostics), for a run that hangs.
 #   bash tests/e2e/e2e_gpu_run.sh [-k expr]
+#   E2E_PATHS="tests/e2e/test_two_gpus.py tests/e2e/test_tiny_serving.py" \
+#     bash tests/e2e/e2e_gpu_run.sh
 set -uo pipefail
 out=$(realpath -m "${OUT:-e2e-logs}")
 mkdir -p "$out"
@@ -18,7 +21,7 @@ py=${PYTHON:-python3}
 } 2>&1 | tee "$out/env.log"
 start=$(date +%s)
 timeout "${E2E_TIMEOUT_S:-1500}" $py -m pytest -m gpu -v -s -p no:cacheprovider \
-  tests/e2e "$@" >"$out/e2e.log" 2>&1
+  ${E2E_PATHS:-tests/e2e} "$@" >"$out/e2e.log" 2>&1
 rc=$?
 echo "pytest rc=$rc in $(( $(date +%s) - start )) s"
 grep -E "PASSED|FAILED|ERROR|SKIPPED|WATCHDOG|Traceback|Error:|passed|failed" \

@@ -35,6 +35,9 @@ from typing import Any
 
 import pytest
 from tiny_serving import (
+    REAL_ATTENTION_MAX_MODEL_LEN,
+    REAL_ATTENTION_ONE_GPU_LABEL,
+    REAL_ATTENTION_PROMPT_LENS,
     EngineRun,
     assert_allocation_is_the_plan,
     assert_nvls_off,
@@ -48,10 +51,8 @@ from tiny_serving import (
 pytestmark = pytest.mark.gpu
 
 TP = 8
-MAX_MODEL_LEN = 4096
-# Below and above index_topk (2048): the short prompts select every cached
-# token, the long ones exercise the top-k.
-PROMPTS = prompts((17, 700, 2500, 3500))
+MAX_MODEL_LEN = REAL_ATTENTION_MAX_MODEL_LEN
+PROMPTS = prompts(REAL_ATTENTION_PROMPT_LENS)
 # Kimi K3.1's packed block at TP 8 (the plan of the bundled config).
 DEPLOYMENT_BLOCK = 1024
 
@@ -67,19 +68,6 @@ def engine_env() -> dict[str, str]:
     return multi_gpu_env()
 
 
-@pytest.fixture(scope="module")
-def real_attention(e2e_dir: Path) -> Path:
-    """The tiny checkpoint with Kimi K3.1's real attention dimensions."""
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
-        real_attention_overrides,
-        write_tiny_checkpoint,
-    )
-
-    return write_tiny_checkpoint(
-        e2e_dir / "tiny-k3.1-real-attention", **real_attention_overrides()
-    )
-
-
 def _runs(
     engine_runs, model: Path, env: dict[str, str], mode: str
 ) -> tuple[EngineRun, EngineRun]:
@@ -87,7 +75,9 @@ def _runs(
     kwargs: dict[str, Any] = {"env": env, "max_model_len": MAX_MODEL_LEN}
     if mode == "eager":
         kwargs["enforce_eager"] = True
-    tp1 = engine_runs(f"real-attention-tp1-{mode}", model, PROMPTS, **kwargs)
+    tp1 = engine_runs(
+        REAL_ATTENTION_ONE_GPU_LABEL.format(mode=mode), model, PROMPTS, **kwargs
+    )
     tp8 = engine_runs(
         f"real-attention-tp8-{mode}", model, PROMPTS, tensor_parallel_size=TP, **kwargs
     )
@@ -96,9 +86,9 @@ def _runs(
 
 @pytest.mark.parametrize("mode", ["graphs", "eager"])
 def test_eight_gpus_tp8_equals_tp1(
-    mode: str, engine_runs, real_attention: Path, engine_env, report_agreement
+    mode: str, engine_runs, tiny_real_attention: Path, engine_env, report_agreement
 ) -> None:
-    tp1, tp8 = _runs(engine_runs, real_attention, engine_env, mode)
+    tp1, tp8 = _runs(engine_runs, tiny_real_attention, engine_env, mode)
     assert tp8.forward_paths == tp1.forward_paths == ["fused"], (
         tp1.forward_paths,
         tp8.forward_paths,
@@ -112,7 +102,7 @@ def test_eight_gpus_tp8_equals_tp1(
 
 
 def test_eight_gpus_kv_cache_is_the_plans(
-    engine_runs, real_attention: Path, engine_env, report
+    engine_runs, tiny_real_attention: Path, engine_env, report
 ) -> None:
     """The blocks vLLM allocated at TP 8 (each worker's ``kv_cache_config``;
     the front end's ``cache_config.num_gpu_blocks``) are the plan's for the
@@ -121,6 +111,8 @@ def test_eight_gpus_kv_cache_is_the_plans(
     size is read from the token-cache groups: the front end's
     ``cache_config.block_size`` is the smallest of all groups', KDA state
     groups included."""
-    _, tp8 = _runs(engine_runs, real_attention, engine_env, "graphs")
-    plan = assert_allocation_is_the_plan(tp8, real_attention, TP, MAX_MODEL_LEN, report)
+    _, tp8 = _runs(engine_runs, tiny_real_attention, engine_env, "graphs")
+    plan = assert_allocation_is_the_plan(
+        tp8, tiny_real_attention, TP, MAX_MODEL_LEN, report
+    )
     assert plan["block_size"] == DEPLOYMENT_BLOCK, plan

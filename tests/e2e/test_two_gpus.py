@@ -6,7 +6,10 @@ context parallelism 2 over TP2 (DCP2), and the greedy outputs are compared
 with one GPU's (``tiny_serving.compare``: equal tokens, or a near-tie at the
 first differing position, which the report names; prompts no longer than
 top-k within ``SHORT_PROMPT_TOL``). The KV cache that vLLM allocated at TP2 is
-checked against ``kimi-k3-dsa-kv-plan``.
+checked against ``kimi-k3-dsa-kv-plan``. The ``--real-attention`` checkpoint
+(Kimi K3.1's attention: 48 of 96 heads per rank at TP2) is served at TP2 and
+compared with one GPU the same way, and its TP2 allocation (4096-token blocks)
+checked against the plan.
 
 Select them with ``-k two_gpus`` (or ``-k tp2``, ``-k dcp2``):
 
@@ -33,6 +36,10 @@ from tiny_serving import (
     DCP_PROMPT_LENS,
     LONG_PROMPT_LENS,
     MAX_MODEL_LEN,
+    ONE_GPU_LABEL,
+    REAL_ATTENTION_MAX_MODEL_LEN,
+    REAL_ATTENTION_ONE_GPU_LABEL,
+    REAL_ATTENTION_PROMPT_LENS,
     SHORT_PROMPT_LENS,
     EngineRun,
     assert_agree,
@@ -51,6 +58,10 @@ ALL_PROMPTS = prompts(SHORT_PROMPT_LENS + LONG_PROMPT_LENS)
 DCP_PROMPTS = prompts(DCP_PROMPT_LENS)
 TP2 = {"tensor_parallel_size": 2}
 DCP2 = {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}
+REAL_ATTENTION_PROMPTS = prompts(REAL_ATTENTION_PROMPT_LENS)
+# The --real-attention checkpoint's packed block at TP2 (8192 at TP1, 1024 at
+# TP8: tests/model/test_tiny_real_attention.py).
+REAL_ATTENTION_TP2_BLOCK = 4096
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -81,9 +92,12 @@ def tiny_dsa_topk512(e2e_dir: Path) -> Path:
 def _runs(
     engine_runs: Callable[..., EngineRun], model: Path, env: dict[str, str], mode: str
 ) -> tuple[EngineRun, EngineRun]:
-    """(one GPU, TP2) runs of ``ALL_PROMPTS``, CUDA graphs or eager."""
+    """(one GPU, TP2) runs of ``ALL_PROMPTS``, CUDA graphs or eager. The one-GPU
+    run is test_tiny_serving's (same label, prompts and engine arguments)."""
     extra = {"enforce_eager": True} if mode == "eager" else {}
-    tp1 = engine_runs(f"tiny-tp1-{mode}", model, ALL_PROMPTS, env=env, **extra)
+    tp1 = engine_runs(
+        ONE_GPU_LABEL.format(mode=mode), model, ALL_PROMPTS, env=env, **extra
+    )
     tp2 = engine_runs(f"tiny-tp2-{mode}", model, ALL_PROMPTS, env=env, **TP2, **extra)
     return tp1, tp2
 
@@ -159,3 +173,52 @@ def test_dcp2_equals_one_gpu(
     agreement = compare(one, batched(dcp))
     report_agreement("tp1-vs-dcp2-batched", agreement)
     assert_agree(agreement, num_short)
+
+
+def _real_attention_runs(
+    engine_runs: Callable[..., EngineRun], model: Path, env: dict[str, str]
+) -> tuple[EngineRun, EngineRun]:
+    """(one GPU, TP2) CUDA-graph runs of the ``--real-attention`` checkpoint
+    (the one-GPU run is also the eight-GPU test's reference)."""
+    common = dict(env=env, max_model_len=REAL_ATTENTION_MAX_MODEL_LEN)
+    tp1 = engine_runs(
+        REAL_ATTENTION_ONE_GPU_LABEL.format(mode="graphs"),
+        model,
+        REAL_ATTENTION_PROMPTS,
+        **common,
+    )
+    tp2 = engine_runs(
+        "real-attention-tp2-graphs", model, REAL_ATTENTION_PROMPTS, **common, **TP2
+    )
+    return tp1, tp2
+
+
+def test_real_attention_tp2_equals_tp1(
+    engine_runs, tiny_real_attention, engine_env, report_agreement
+):
+    """Kimi K3.1's attention (96 heads: 48 per rank at TP2; 32 index heads
+    replicated; top-k 2048) over prompts below and above top-k, TP2 against
+    one GPU, one at a time and batched."""
+    tp1, tp2 = _real_attention_runs(engine_runs, tiny_real_attention, engine_env)
+    assert tp1.forward_paths == tp2.forward_paths == ["fused"], (
+        tp1.forward_paths,
+        tp2.forward_paths,
+    )
+    assert_nvls_off(tp2)
+    num_short = sum(n <= 2048 for n in REAL_ATTENTION_PROMPT_LENS)
+    for name, other in (("", tp2), ("-batched", batched(tp2))):
+        agreement = compare(tp1, other)
+        report_agreement(f"real-attention-tp1-vs-tp2-graphs{name}", agreement)
+        assert_agree(agreement, num_short)
+
+
+def test_real_attention_tp2_kv_plan_matches_allocation(
+    engine_runs, tiny_real_attention, engine_env, report
+):
+    """The plan at TP2 for Kimi K3.1's attention: 4096-token packed blocks, as
+    many as vLLM allocated from its budget."""
+    _, tp2 = _real_attention_runs(engine_runs, tiny_real_attention, engine_env)
+    plan = assert_allocation_is_the_plan(
+        tp2, tiny_real_attention, 2, REAL_ATTENTION_MAX_MODEL_LEN, report
+    )
+    assert plan["block_size"] == REAL_ATTENTION_TP2_BLOCK, plan

@@ -66,6 +66,14 @@ DCP_INDEX_TOPK = 512
 DCP_PROMPT_LENS = (300, 700, 1500)
 DCP_MAX_MODEL_LEN = 2048
 DCP_MAX_NUM_BATCHED_TOKENS = 1024
+# The --real-attention checkpoint (Kimi K3.1's attention, top-k 2048): prompts
+# below and above top-k; the short ones select every cached token.
+REAL_ATTENTION_PROMPT_LENS = (17, 700, 2500, 3500)
+REAL_ATTENTION_MAX_MODEL_LEN = 4096
+# Engine labels of one-GPU runs that several test modules compare against
+# (``engine_runs`` caches by label, so each runs once per session).
+ONE_GPU_LABEL = "dsa-fused-{mode}-dense-mha"
+REAL_ATTENTION_ONE_GPU_LABEL = "real-attention-tp1-{mode}"
 # Each engine takes a share of the GPU, so a slow shutdown of the previous one
 # cannot starve the next.
 GPU_MEMORY_UTILIZATION = 0.25
@@ -588,17 +596,33 @@ def require_gpus(request: Any, needed: int) -> None:
 
 
 def multi_gpu_env() -> dict[str, str]:
-    """What every engine of a multi-GPU test adds to the host's environment:
-    NVLink multicast (NVLS) off, as the lent hosts require; and where CuTe DSL
-    is missing (the offline H200 bundle), Kimi K3's GEMM + all-reduce off
-    (on by default from TP 2, it imports CuTe DSL and would fail at load, not
-    in our code). The host's other ``NCCL_*`` variables pass through."""
-    from vllm.utils.import_utils import has_cutedsl
+    """What every engine of a multi-GPU test adds to the host's environment.
 
-    env = {"NCCL_NVLS_ENABLE": "0"}
-    if "VLLM_KIMI_K3_GEMM_AR" not in os.environ and not has_cutedsl():
-        env["VLLM_KIMI_K3_GEMM_AR"] = "0"
-    return env
+    NVLink multicast stays off, as the lent hosts require (a program using it
+    can take the host's GPUs out of service): off in NCCL, PyTorch and NVSHMEM,
+    and every vLLM 0.33.0 path that would reach for it is switched off rather
+    than left to find out: the symmetric-memory all-reduce, FlashInfer's
+    all-reduce, and Kimi K3's GEMM + all-reduce / reduce-scatter (NCCL
+    symmetric-memory multicast). None of them is part of the DSA layers under
+    test; vLLM's custom all-reduce (CUDA IPC) and NCCL remain. A variable the
+    caller set wins, so a host with multicast can measure those paths. The
+    host's other ``NCCL_*`` variables pass through.
+    """
+    wanted = {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+        "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+        "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+        "VLLM_KIMI_K3_GEMM_AR": "0",
+        "VLLM_ENABLE_GEMM_RS": "0",
+    }
+    # NCCL_NVLS_ENABLE is never left to the caller: the tests assert it.
+    return {
+        name: value
+        for name, value in wanted.items()
+        if name == "NCCL_NVLS_ENABLE" or name not in os.environ
+    }
 
 
 def assert_nvls_off(run: EngineRun) -> None:

@@ -458,6 +458,19 @@ def check_dsa_parallelism(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
             f"{list(DCP_INDEX_TOPK_VALUES)} (vLLM's DCP top-k merge, "
             f"_merge_dcp_topk_global), got {dsa.index_topk}"
         )
+    if dcp > 1:
+        from vllm.platforms import current_platform
+        from vllm.utils.import_utils import has_cutedsl
+
+        # The merge has no PyTorch fallback: without CuTe DSL vLLM raises on
+        # the first forward, after the weights and the cache are in place.
+        if current_platform.is_cuda() and not has_cutedsl():
+            raise ValueError(
+                f"--decode-context-parallel-size {dcp} needs CuTe DSL (the "
+                "'nvidia-cutlass-dsl' package, importable as 'cutlass'): vLLM's "
+                "DCP top-k merge (_merge_dcp_topk_global) runs only on it; "
+                "install it or serve without decode context parallelism"
+            )
 
 
 def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
