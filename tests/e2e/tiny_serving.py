@@ -194,12 +194,20 @@ def run_llm(
         seed=0,
     )
     kwargs.update(engine_kwargs)
-    # apply_model ships dsa_forward_paths to the engine process by value.
-    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})}
-    with contextlib.suppress(ImportError):
-        import cloudpickle
-
-        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    # apply_model and collective_rpc ship dsa_forward_paths and
+    # worker_kv_cache to the engine core, which passes them on to its workers
+    # (under TP, with plain pickle): by reference, so every process imports
+    # this module. A by-value copy fails that second hop ("not the same
+    # object as tiny_serving.dsa_forward_paths").
+    here = str(Path(__file__).resolve().parent)
+    python_path = os.pathsep.join(
+        p for p in (here, os.environ.get("PYTHONPATH", "")) if p
+    )
+    env = {
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "PYTHONPATH": python_path,
+        **(env or {}),
+    }
     params = SamplingParams(
         temperature=0.0,
         max_tokens=MAX_TOKENS,
