@@ -485,7 +485,28 @@ def test_multimodal_kimi_k3_config_path(tmp_path):
     )
 
 
-def test_dcp_needs_a_topk_the_merge_takes(tiny_checkpoint, engine_config):
+def test_dcp_refused_unless_experimental(tiny_checkpoint, engine_config, monkeypatch):
+    from vllm.models.kimi_k3.common.dsa_config import EXPERIMENTAL_DCP_ENV
+
+    config = engine_config(tiny_checkpoint(dsa_config=dsa(index_topk=512)))
+    config.parallel_config.decode_context_parallel_size = 2
+    monkeypatch.delenv(EXPERIMENTAL_DCP_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"is not supported for Kimi K3.1 DSA"):
+        verify_dsa_vllm_config(config)
+    monkeypatch.setenv(EXPERIMENTAL_DCP_ENV, "maybe")
+    with pytest.raises(
+        ValueError,
+        match=r"VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP='maybe' is not understood",
+    ):
+        verify_dsa_vllm_config(config)
+    monkeypatch.setenv(EXPERIMENTAL_DCP_ENV, "1")
+    verify_dsa_vllm_config(config)
+
+
+def test_dcp_needs_a_topk_the_merge_takes(tiny_checkpoint, engine_config, monkeypatch):
+    from vllm.models.kimi_k3.common.dsa_config import EXPERIMENTAL_DCP_ENV
+
+    monkeypatch.setenv(EXPERIMENTAL_DCP_ENV, "1")
     config = engine_config(tiny_checkpoint())
     # DCP > 1 needs several ranks to configure; the rule reads only this field.
     config.parallel_config.decode_context_parallel_size = 2
@@ -506,8 +527,10 @@ def test_dcp_needs_cute_dsl_on_cuda(tiny_checkpoint, engine_config, monkeypatch)
     it raises at the first forward, so the config refuses it first. The CPU
     platform stands in for CUDA here (``is_cuda`` stubbed: no GPU in CI)."""
     import vllm.utils.import_utils
+    from vllm.models.kimi_k3.common.dsa_config import EXPERIMENTAL_DCP_ENV
     from vllm.platforms import current_platform
 
+    monkeypatch.setenv(EXPERIMENTAL_DCP_ENV, "1")
     config = engine_config(tiny_checkpoint(dsa_config=dsa(index_topk=512)))
     config.parallel_config.decode_context_parallel_size = 2
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)

@@ -5,6 +5,10 @@ TP2 for the tiny checkpoints those tests serve, and the rules that would only
 fail once the engine runs hold for them: FlashMLA sparse's chunked-context
 workspace must hold one packed block, and its DCP path needs the mixed-batch
 fp8 kernel with one head padding for the local and the gathered heads.
+
+DCP is refused for Kimi K3.1 DSA (wrong tokens on the H200, docs/serving.md)
+unless ``VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP=1``; the e2e DCP test sets it to
+reproduce the defect, so these checks set it too.
 """
 
 from __future__ import annotations
@@ -27,6 +31,15 @@ from tiny_serving import (
 )
 
 TINY_INDEX_TOPK = 128
+
+
+@pytest.fixture(autouse=True)
+def experimental_dcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.models.kimi_k3.common.dsa_config import EXPERIMENTAL_DCP_ENV
+
+    monkeypatch.setenv(EXPERIMENTAL_DCP_ENV, "1")
+
+
 DCP_RUN = {
     "max_model_len": DCP_MAX_MODEL_LEN,
     "max_num_batched_tokens": DCP_MAX_NUM_BATCHED_TOKENS,
@@ -170,6 +183,23 @@ def test_dcp2_heads_take_the_mixed_batch_fp8_path(tiny_checkpoint, engine_config
     assert local < MIN_HEADS_FOR_BF16_PREFILL
     pad = FlashMLASparseImpl._compute_fp8_decode_padded_heads
     assert pad(local) == pad(gathered)
+
+
+def test_dcp2_refused_without_the_experimental_opt_in(
+    tiny_checkpoint, engine_config, monkeypatch
+):
+    """Without the opt-in DCP is refused at config time, before any cache
+    exists, with the reason and what to do."""
+    from vllm.models.kimi_k3.common.dsa_config import EXPERIMENTAL_DCP_ENV
+
+    monkeypatch.delenv(EXPERIMENTAL_DCP_ENV)
+    with pytest.raises(
+        ValueError,
+        match=r"--decode-context-parallel-size 2 is not supported for Kimi K3.1 "
+        r"DSA: .*wrong tokens.*serve with decode_context_parallel_size 1\. "
+        r"Developers reproducing it can set VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP=1",
+    ):
+        _config(tiny_checkpoint, engine_config, DCP_INDEX_TOPK, **DCP_RUN, tp=2, dcp=2)
 
 
 def test_dcp2_refuses_the_default_topk(tiny_checkpoint, engine_config):

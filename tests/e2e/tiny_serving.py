@@ -368,7 +368,8 @@ class Agreement:
     # Per prompt: the first position where the tokens differ, or None.
     first_difference: list[int | None]
     # Largest and mean |logprob difference| of the chosen tokens over the
-    # agreeing prefixes (None without logprobs on both sides).
+    # agreeing prefixes and, at the first difference, of each run's chosen
+    # token where the other run ranked it too (None without logprobs).
     max_logprob_diff: float | None
     mean_logprob_diff: float | None
     # Per prompt: the largest difference over its agreeing prefix.
@@ -398,6 +399,20 @@ def compare(a: EngineRun, b: EngineRun, check_logprobs: bool = True) -> Agreemen
             for p in range(agreeing):
                 token = ca.tokens[p]
                 mine_diffs.append(abs(ca.logprobs[p][token] - cb.logprobs[p][token]))
+        if check_logprobs and differ is not None and differ < common:
+            # At the first difference (a near-tie), each chosen token's
+            # logprob in both runs, where both ranked it: so a prompt that
+            # differs at its first token still has a logprob check.
+            for mine, other in ((ca, cb), (cb, ca)):
+                if mine.logprobs and other.logprobs:
+                    token = mine.tokens[differ]
+                    if token in other.logprobs[differ]:
+                        mine_diffs.append(
+                            abs(
+                                mine.logprobs[differ][token]
+                                - other.logprobs[differ][token]
+                            )
+                        )
         diffs += mine_diffs
         prompt_max.append(max(mine_diffs) if mine_diffs else None)
         if differ is None or differ >= common:

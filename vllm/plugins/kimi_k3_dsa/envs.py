@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Seam: vLLM knows our environment variable.
+"""Seam: vLLM knows our environment variables.
 
 Upstream target: ``vllm/envs.py`` ``environment_variables``.
 
@@ -9,14 +9,24 @@ vLLM keys its torch.compile cache on the values of the variables in
 ``environment_variables`` (``envs.compile_factors``); a variable outside that
 table would let a cached fused graph serve a run that asked for the wrapper.
 Registering it also makes ``vllm.envs.VLLM_KIMI_K3_DSA_FORCE_WRAPPER`` work.
+``VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP`` (lets decode context parallelism through
+the config check, to reproduce its known wrong output) and
+``VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES`` (the MLA cache in 64-token kernel pages on
+SM90, which changes the KV layout and the attention metadata) are registered
+beside it.
 
 In-tree edit: an entry ``"VLLM_KIMI_K3_DSA_FORCE_WRAPPER": lambda:
-bool(int(os.getenv(...)))`` in ``environment_variables``.
+bool(int(os.getenv(...)))`` in ``environment_variables``, and one for
+``VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP`` and ``VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES``.
 """
 
 from vllm.models.kimi_k3.common.dsa_config import (
+    EXPERIMENTAL_DCP_ENV,
     FORCE_WRAPPER_ENV,
+    MLA_KERNEL_PAGES_ENV,
+    experimental_dcp,
     force_wrapper_forward,
+    mla_kernel_pages_forced,
 )
 
 
@@ -24,3 +34,5 @@ def apply() -> None:
     import vllm.envs as envs
 
     envs.environment_variables.setdefault(FORCE_WRAPPER_ENV, force_wrapper_forward)
+    envs.environment_variables.setdefault(EXPERIMENTAL_DCP_ENV, experimental_dcp)
+    envs.environment_variables.setdefault(MLA_KERNEL_PAGES_ENV, mla_kernel_pages_forced)

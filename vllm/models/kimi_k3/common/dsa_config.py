@@ -62,6 +62,12 @@ DSA_INDEXER_KV_DTYPES = ("auto", "fp8", "mxfp4")
 # changes the compiled graph, so the plugin registers it with vLLM's
 # environment variables (part of the torch.compile cache key).
 FORCE_WRAPPER_ENV = "VLLM_KIMI_K3_DSA_FORCE_WRAPPER"
+# Decode context parallelism gave wrong tokens on the H200 (docs/serving.md),
+# so it is refused unless a developer opts in to reproduce that.
+EXPERIMENTAL_DCP_ENV = "VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP"
+# Split the packed row's MLA pages into FlashMLA sparse's 64-token kernel pages
+# on SM90 too (SM10x always reads them so): the Blackwell page path, on Hopper.
+MLA_KERNEL_PAGES_ENV = "VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES"
 _ENV_BOOLS = {"0": False, "false": False, "1": True, "true": True}
 ROCM_REASON = (
     "Kimi-K3.1 DSA requires the CUDA FlashMLA sparse / DeepGEMM indexer "
@@ -361,16 +367,58 @@ class KimiK3DSAConfig(KimiK3Config):
         super().__init__(text_config=text_config, **kw)
 
 
-def force_wrapper_forward() -> bool:
-    """Whether :data:`FORCE_WRAPPER_ENV` asks for the upstream-ops path."""
-    raw = os.environ.get(FORCE_WRAPPER_ENV, "0")
+def _env_flag(name: str) -> bool:
+    """A boolean environment variable of ours; unset is False."""
+    raw = os.environ.get(name, "0")
     value = _ENV_BOOLS.get(raw.strip().lower())
     if value is None:
         raise ValueError(
-            f"{FORCE_WRAPPER_ENV}={raw!r} is not understood: accepted values are "
+            f"{name}={raw!r} is not understood: accepted values are "
             f"{sorted(_ENV_BOOLS)}"
         )
     return value
+
+
+def force_wrapper_forward() -> bool:
+    """Whether :data:`FORCE_WRAPPER_ENV` asks for the upstream-ops path."""
+    return _env_flag(FORCE_WRAPPER_ENV)
+
+
+def mla_kernel_pages_forced() -> bool:
+    """Whether :data:`MLA_KERNEL_PAGES_ENV` forces the MLA cache into 64-token
+    kernel pages where FlashMLA sparse would read whole blocks (SM90)."""
+    return _env_flag(MLA_KERNEL_PAGES_ENV)
+
+
+def mla_kernel_pages_in_use() -> bool:
+    """Whether the MLA cache is served in 64-token kernel pages: forced, or on
+    SM10x, where FlashMLA sparse reads the quantized cache only so."""
+    from vllm.platforms import current_platform
+
+    return mla_kernel_pages_forced() or (
+        current_platform.is_cuda() and current_platform.is_device_capability_family(100)
+    )
+
+
+def check_mla_kernel_pages(vllm_config: VllmConfig) -> None:
+    """Multi-step drafts recompute their slots in manager blocks (0.33.0's
+    ``eagle_step_update_slot_mapping_and_metadata``), which kernel pages do
+    not remap yet; one speculative token reuses the target's remapped slots."""
+    spec = vllm_config.speculative_config
+    num_tokens = (spec.num_speculative_tokens or 0) if spec is not None else 0
+    if num_tokens > 1 and mla_kernel_pages_in_use():
+        raise NotImplementedError(
+            f"num_speculative_tokens={num_tokens} is not supported for Kimi K3.1 DSA "
+            "with the MLA cache in 64-token kernel pages (SM10x, or "
+            f"{MLA_KERNEL_PAGES_ENV}=1): draft steps after the first would write "
+            "their KV at manager-block slots. Use num_speculative_tokens=1"
+        )
+
+
+def experimental_dcp() -> bool:
+    """Whether :data:`EXPERIMENTAL_DCP_ENV` lets decode context parallelism
+    through (to reproduce its known wrong output, not to serve)."""
+    return _env_flag(EXPERIMENTAL_DCP_ENV)
 
 
 def is_dsa_model(text_config: Any) -> bool:
@@ -449,9 +497,18 @@ def check_decode_backend(vllm_config: VllmConfig) -> None:
 
 
 def check_dsa_parallelism(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
-    """Decode context parallelism merges each rank's top-k with vLLM's DCP
-    merge, which takes only a few top-k widths."""
+    """Decode context parallelism is refused (wrong tokens on the H200) unless
+    :data:`EXPERIMENTAL_DCP_ENV` opts in; then each rank's top-k is merged by
+    vLLM's DCP merge, which takes only a few top-k widths and needs CuTe DSL."""
     dcp = vllm_config.parallel_config.decode_context_parallel_size
+    if dcp > 1 and not experimental_dcp():
+        raise ValueError(
+            f"--decode-context-parallel-size {dcp} is not supported for Kimi K3.1 "
+            "DSA: on an H200 pair (vLLM 0.33.0, 2026-11-30) it produced wrong "
+            "tokens (NaN logits for prompts longer than index_topk); serve with "
+            "decode_context_parallel_size 1. Developers reproducing it can set "
+            f"{EXPERIMENTAL_DCP_ENV}=1"
+        )
     if dcp > 1 and dsa.index_topk not in DCP_INDEX_TOPK_VALUES:
         raise ValueError(
             f"--decode-context-parallel-size {dcp} needs dsa_config.index_topk in "
@@ -497,6 +554,7 @@ def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
     check_dsa_serving(text_config)
     check_indexer_kv_dtype(vllm_config, dsa)
     check_dsa_parallelism(vllm_config, dsa)
+    check_mla_kernel_pages(vllm_config)
     cache_config = vllm_config.cache_config
     requested = cache_config.cache_dtype
     resolved = resolve_dsa_cache_dtype(requested)
