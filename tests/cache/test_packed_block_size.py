@@ -357,8 +357,9 @@ def test_seam_accepts_flashmla_sparse_multiple_of_64(vllm_config_for, monkeypatc
 
 def test_seam_refuses_a_split_of_the_mla_cache(vllm_config_for, monkeypatch):
     """On SM10x FlashMLA sparse reads quantized MLA pages of exactly 64 tokens;
-    the MLA cache is written through manager slots, so the packed row cannot
-    be split for it: refused before the KV cache is allocated."""
+    a layer under upstream's backend (not a Kimi K3.1 DSA layer) writes its
+    MLA cache through manager slots, so the packed row cannot be split for it:
+    refused before the KV cache is allocated."""
     from vllm.models.kimi_k3.common.dsa_cache import KimiK3IndexerBackend
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
@@ -373,9 +374,40 @@ def test_seam_refuses_a_split_of_the_mla_cache(vllm_config_for, monkeypatch):
     cache_config = cfg.cache_config
     saved = (cache_config.block_size, cache_config.mamba_page_size_padded)
     try:
-        with pytest.raises(NotImplementedError, match="FLASHMLA_SPARSE.*64-token"):
+        with pytest.raises(
+            NotImplementedError,
+            match="FLASHMLA_SPARSE.*64-token.*Only the Kimi K3.1 DSA layers' own",
+        ):
             _seam_with_backends(
                 cfg, monkeypatch, [FlashMLASparseBackend, KimiK3IndexerBackend]
             )
+    finally:
+        cache_config.block_size, cache_config.mamba_page_size_padded = saved
+
+
+def test_seam_accepts_the_dsa_mla_split_on_sm10x(vllm_config_for, monkeypatch):
+    """The DSA layers' MLA attention runs KimiK3FlashMLASparseBackend, whose
+    split cache is written at kernel-page slots: on SM10x (64-token pages
+    only) the packed block stands and startup goes on."""
+    from vllm.models.kimi_k3.common.dsa_cache import (
+        KimiK3FlashMLASparseBackend,
+        KimiK3IndexerBackend,
+    )
+    from vllm.platforms import current_platform
+
+    # Stub: this CPU answers "SM10x".
+    monkeypatch.setattr(
+        current_platform,
+        "is_device_capability_family",
+        lambda family, device_id=0: family == 100,
+    )
+    cfg = vllm_config_for()
+    cache_config = cfg.cache_config
+    saved = (cache_config.block_size, cache_config.mamba_page_size_padded)
+    try:
+        _seam_with_backends(
+            cfg, monkeypatch, [KimiK3FlashMLASparseBackend, KimiK3IndexerBackend]
+        )
+        assert cache_config.block_size == 2048
     finally:
         cache_config.block_size, cache_config.mamba_page_size_padded = saved

@@ -18,6 +18,7 @@ import pytest
 from tiny_serving import (
     LONG_PROMPT_LENS,
     MAX_TOKENS,
+    ONE_GPU_LABEL,
     SHORT_PROMPT_LENS,
     Completion,
     EngineRun,
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.gpu
 ALL_PROMPTS = prompts(SHORT_PROMPT_LENS + LONG_PROMPT_LENS)
 SHORT_PROMPTS = ALL_PROMPTS[: len(SHORT_PROMPT_LENS)]
 FORCE_WRAPPER = {"VLLM_KIMI_K3_DSA_FORCE_WRAPPER": "1"}
+MLA_KERNEL_PAGES = {"VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES": "1"}
 FORCE_MQA = {"attention_config": {"sparse_mla_force_mqa": True}}
 
 
@@ -85,6 +87,40 @@ def test_fused_equals_wrapper(engine_runs, tiny_dsa, report_agreement):
     assert wrapper.forward_paths == ["wrapper"], wrapper.forward_paths
     agreement = compare(fused, wrapper)
     report_agreement("fused-vs-wrapper", agreement)
+    assert_agree(agreement)
+
+
+@pytest.mark.parametrize("mode", ["graphs", "eager"])
+def test_mla_kernel_pages_equal_whole_blocks(
+    mode, engine_runs, tiny_dsa, report_agreement
+):
+    """The Blackwell layout on the H200: with
+    ``VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES=1`` the runner splits the packed row's
+    MLA pages into 64-token kernel pages (as FlashMLA sparse reads them on
+    SM10x) and the MLA slots address those pages; the tokens are the unsplit
+    layout's. The prompts span many kernel pages (and one block per request) and both
+    prefill paths' writes (dense MHA and sparse) and the decode reads."""
+    extra = {"enforce_eager": True} if mode == "eager" else {}
+    whole = engine_runs(ONE_GPU_LABEL.format(mode=mode), tiny_dsa, ALL_PROMPTS, **extra)
+    paged = engine_runs(
+        f"dsa-fused-{mode}-mla-kernel-pages",
+        tiny_dsa,
+        ALL_PROMPTS,
+        env=MLA_KERNEL_PAGES,
+        **extra,
+    )
+    assert paged.forward_paths == ["fused"], paged.forward_paths
+    assert paged.kv_cache is not None and paged.kv_cache.workers, paged.kv_cache
+    mla = [
+        g
+        for g in paged.kv_cache.workers[0]["attention_groups"]
+        if g["backend"] == "KimiK3FlashMLASparseBackend"
+    ]
+    assert mla and all(
+        g["kernel_block_size"] == 64 and g["kernel_block_stride"] > 0 for g in mla
+    ), paged.kv_cache.workers[0]
+    agreement = compare(whole, paged)
+    report_agreement(f"whole-blocks-vs-kernel-pages-{mode}", agreement)
     assert_agree(agreement)
 
 

@@ -338,6 +338,17 @@ def worker_kv_cache(worker: Any) -> dict[str, Any]:
                 "num_layers": len(group.layer_names),
             }
         )
+    # Each attention group's backend and kernel pages (kernel_block_size is
+    # set where the runner split the packed row; the stride in pages).
+    attention = [
+        {
+            "backend": group.backend.__name__,
+            "kernel_block_size": group.kernel_block_size,
+            "kernel_block_stride": group.kernel_block_stride,
+        }
+        for groups in getattr(getattr(worker, "model_runner", None), "attn_groups", [])
+        for group in groups
+    ]
     available = getattr(worker, "available_kv_cache_memory_bytes", None)
     return {
         "rank": getattr(worker, "rank", None),
@@ -346,6 +357,7 @@ def worker_kv_cache(worker: Any) -> dict[str, Any]:
         ),
         "num_blocks": getattr(config, "num_blocks", None),
         "groups": groups,
+        "attention_groups": attention,
         "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
     }
 

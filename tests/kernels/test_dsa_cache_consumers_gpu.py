@@ -9,6 +9,7 @@ written by our prologue. Both come from the vllm==0.33.0 wheel, extracted by
 ``$KIMI_K3_DEVICE_DIR``), so the tests run where vLLM is not installed.
 """
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from dsa_gpu_utils import (
     BLOCK,
     EPS,
+    SENTINEL,
     PackedCaches,
     gemm_slices,
     norm_weights,
@@ -186,4 +188,91 @@ def test_flashmla_sparse_decode_reads_our_ds_mla_cache(packed: bool):
         ref = (p @ kv_out[tok].float()).bfloat16()
         err = (out[i, 0].float() - ref.float()).abs().max().item()
         print(f"METRIC flashmla packed={packed} req={i} max_abs_err={err:.4f}")
+        torch.testing.assert_close(out[i, 0], ref, rtol=0.065, atol=0.05)
+
+
+def test_flashmla_sparse_decode_reads_split_mla_pages():
+    """The Blackwell layout (forced on SM90 by VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES):
+    a packed row of 256-token manager blocks holds an indexer run, an MLA run
+    and padding to whole kernel pages of both; each cache is viewed as
+    64-token pages (``split_packed_rows_into_kernel_pages``) and written at the
+    remapped slots (``kernel_page_slots``). The bytes equal those written at
+    manager slots through the unsplit MLA view, untouched bytes keep the
+    sentinel, and FlashMLA sparse decode reads the page view at the remapped
+    slots."""
+    # Torch only, like the ops layer: importable where vLLM is not installed.
+    from vllm.models.kimi_k3.common.dsa_pages import (
+        kernel_page_slots,
+        split_packed_rows_into_kernel_pages,
+    )
+
+    torch.ops.load_library(str(DEVICE_DIR / "_flashmla_C.abi3.so"))
+    block, nb, n_tok, batch, h_q, topk_w = 256, 8, 700, 3, 64, 256
+    idx_entry = F.indexer_entry_bytes(D, False)
+    mla_page, idx_page = 64 * F.DS_MLA_ENTRY_BYTES, 64 * idx_entry
+    step = math.lcm(mla_page, idx_page)
+    row = -(-block * (idx_entry + F.DS_MLA_ENTRY_BYTES) // step) * step
+
+    def row_views(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        index = buf.as_strided((nb, block, idx_entry), (row, idx_entry, 1))
+        mla = buf.as_strided(
+            (nb, block, F.DS_MLA_ENTRY_BYTES),
+            (row, F.DS_MLA_ENTRY_BYTES, 1),
+            buf.storage_offset() + block * idx_entry,
+        )
+        return index, mla
+
+    paged_buf = torch.full((nb, row), SENTINEL, dtype=torch.uint8, device="cuda")
+    whole_buf = paged_buf.clone()
+    index, mla = row_views(paged_buf)
+    index_pages, index_stride = split_packed_rows_into_kernel_pages(index, 64)
+    mla_pages, mla_stride = split_packed_rows_into_kernel_pages(mla, 64)
+    assert (mla_stride, index_stride) == (row // mla_page, row // idx_page)
+
+    g = torch.Generator(device="cuda").manual_seed(31)
+    slots = torch.randperm(nb * block, device="cuda", generator=g)[:n_tok]
+    slots[::37] = -1  # padded tokens write nothing
+    idx_slots = kernel_page_slots(slots, block, 64, index_stride)
+    mla_slots = kernel_page_slots(slots, block, 64, mla_stride)
+    q_c, kv_c, k_pe, index_k = gemm_slices(n_tok, seed=32)
+    qw, kvw, kw, kb = norm_weights()
+    topk_buf = torch.empty(n_tok, 2048, dtype=torch.int32, device="cuda")
+    _, kv_out = dsa_fused_prologue(
+        q_c, kv_c, k_pe, index_k, qw, kvw, kw, kb, EPS, topk_buf,
+        mla_pages, mla_slots, index_pages, idx_slots,
+    )  # fmt: skip
+    # The reference: the same keys at manager slots through the unsplit MLA
+    # view (the indexer cache is split in production either way).
+    whole_index, whole_mla = row_views(whole_buf)
+    whole_index_pages, _ = split_packed_rows_into_kernel_pages(whole_index, 64)
+    dsa_fused_prologue(
+        q_c, kv_c, k_pe, index_k, qw, kvw, kw, kb, EPS, topk_buf,
+        whole_mla, slots, whole_index_pages, idx_slots,
+    )  # fmt: skip
+    assert torch.equal(paged_buf, whole_buf)
+    assert int((paged_buf != SENTINEL).sum()) > 0
+    assert (
+        paged_buf[:, block * (idx_entry + F.DS_MLA_ENTRY_BYTES) :] == SENTINEL
+    ).all()
+
+    q = (torch.randn(batch, 1, h_q, 576, device="cuda", generator=g) * 0.5).bfloat16()
+    written = torch.nonzero(slots >= 0).squeeze(1)
+    valid = [topk_w // 2, topk_w, 37]
+    indices = torch.full((batch, 1, topk_w), -1, dtype=torch.int32, device="cuda")
+    chosen = []
+    for i, nv in enumerate(valid):
+        tok = written[torch.randperm(written.numel(), device="cuda", generator=g)[:nv]]
+        chosen.append(tok)
+        indices[i, 0, :nv] = mla_slots[tok].int()
+    scale = 576**-0.5
+    out, _, _, _ = torch.ops._flashmla_C.sparse_decode_fwd(
+        q, mla_pages.unsqueeze(-2), indices, None, None, None, None, None, None,
+        None, 512, scale, None, False,
+    )  # fmt: skip
+    k_full = torch.cat((kv_out, k_pe), dim=-1).float()
+    for i, tok in enumerate(chosen):
+        p = torch.softmax((q[i, 0].float() @ k_full[tok].T) * scale, dim=-1)
+        ref = (p @ kv_out[tok].float()).bfloat16()
+        err = (out[i, 0].float() - ref.float()).abs().max().item()
+        print(f"METRIC flashmla kernel-pages req={i} max_abs_err={err:.4f}")
         torch.testing.assert_close(out[i, 0], ref, rtol=0.065, atol=0.05)

@@ -15,7 +15,7 @@ Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
 ``hf_config``            ``transformers_utils/config.py`` ``_CONFIG_REGISTRY``
                          -> a ``dsa_config`` field on ``KimiLinearConfig``
 ``envs``                 ``envs.py`` ``environment_variables`` -> our
-                         ``VLLM_KIMI_K3_DSA_FORCE_WRAPPER`` (part of the
+                         ``VLLM_KIMI_K3_DSA_*`` variables (part of the
                          torch.compile cache key)
 ``config_verifier``      ``model_executor/models/config.py``
                          ``MODELS_CONFIG_MAP`` -> DSA rules and ``fp8_ds_mla``
@@ -34,7 +34,11 @@ Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
                          ``AttentionGroup.map_kv_cache_to_kernel_blocks`` ->
                          split the packed row into 64-token kernel pages for
                          the Kimi K3.1 indexer cache (slots from the block
-                         table)
+                         table) and, where FlashMLA sparse reads such pages,
+                         its MLA cache
+``mla_page_slots``       ``v1/worker/gpu_model_runner.py``
+                         ``GPUModelRunner._get_slot_mappings`` -> a split MLA
+                         cache's slots address its kernel pages
 ``dsa_layers``           ``models/kimi_k3/nvidia/model.py``
                          ``KimiDecoderLayer`` full-attention branch,
                          ``KimiLinearModel.__init__``; ``mtp.py``
@@ -73,6 +77,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "packed_layout_check",
     "block_size",
     "kernel_block_split",
+    "mla_page_slots",
     "dsa_layers",
     "dsa_weights",
     "dsa_post_load",

@@ -28,10 +28,13 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
+from vllm.models.kimi_k3.common.dsa_config import mla_kernel_pages_forced
+from vllm.models.kimi_k3.common.dsa_pages import MLA_KERNEL_PAGE_TOKENS
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backends.mla.compressor_utils import (
     get_compressed_slot_mapping,
 )
+from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
 from vllm.v1.attention.backends.mla.indexer import (
     DeepseekV32IndexerBackend,
     DeepseekV32IndexerMetadata,
@@ -424,12 +427,13 @@ def check_token_cache_splits(
     """Refuse, before the KV cache is allocated, a packed block that a backend
     other than ours would have to split into kernel pages.
 
-    Only the Kimi K3.1 indexer writes its token cache through slots derived
-    from the kernel block table; any other token cache (e.g. the
-    ``fp8_ds_mla`` MLA cache, which FlashMLA sparse reads in 64-token pages
-    only on SM10x) is written through manager-block slots, so 0.33.0's runner
-    would refuse the split when the cache is bound, with advice (a smaller
-    ``--block-size``, a layer-compact layout) that cannot apply to Kimi K3.1.
+    Our caches are written at kernel-page slots when split (the indexer's from
+    the kernel block table, the DSA layers' MLA cache through the
+    ``mla_page_slots`` seam), so they may be. Any other token cache (for
+    example a draft's MLA cache under another backend) is written through
+    manager-block slots, so 0.33.0's runner would refuse the split when the
+    cache is bound, with advice (a smaller ``--block-size``, a layer-compact
+    layout) that cannot apply to Kimi K3.1.
     """
     from vllm.v1.attention.backend import MultipleOf
 
@@ -455,10 +459,10 @@ def check_token_cache_splits(
             f"backend reads the {cache_dtype} MLA cache in "
             f"{'/'.join(map(str, sizes))}-token kernel pages only on this GPU, "
             f"but a packed block row is {block_size} "
-            "tokens (it must hold the KDA states), and the MLA cache is written "
-            "through manager-block slots, which cannot address split pages. "
-            "This layout is not supported yet (FlashMLA sparse on SM10x); use an "
-            "SM90 GPU."
+            "tokens (it must hold the KDA states), and that backend writes its "
+            "MLA cache through manager-block slots, which cannot address split "
+            "pages. Only the Kimi K3.1 DSA layers' own FlashMLA sparse cache can "
+            "be split."
         )
 
 
@@ -501,39 +505,6 @@ def apply_packed_dsa_block_size(
         cache_config.mamba_block_size = block_size
     logger.info("Kimi-K3.1 DSA: packed KV cache block size %d tokens.", block_size)
     return block_size
-
-
-def split_packed_rows_into_kernel_pages(
-    kv_cache: torch.Tensor, kernel_rows: int
-) -> tuple[torch.Tensor, int]:
-    """View one cache of a packed block-outermost KV cache, in manager blocks
-    ``[num_blocks, 1, block_size, C]``, as ``kernel_rows``-token kernel pages.
-
-    Returns the view and the kernel block stride: kernel page j of manager
-    block b is page ``b * stride + j`` (the view spans the other layers' pages
-    between two blocks and never addresses them). Raises ValueError when the
-    cache cannot be split (more than one head slot, or a block stride that is
-    not a whole number of kernel pages).
-    """
-    page_stride = kernel_rows * kv_cache.stride(-2)
-    if (
-        kv_cache.dim() < 3
-        or kv_cache.shape[1] != 1
-        or kv_cache.shape[-2] % kernel_rows
-        or kv_cache.stride(0) % page_stride
-    ):
-        raise ValueError(
-            f"Kimi-K3.1 DSA cache of shape {tuple(kv_cache.shape)} and strides "
-            f"{kv_cache.stride()} cannot be split into {kernel_rows}-token "
-            "kernel pages."
-        )
-    stride = kv_cache.stride(0) // page_stride
-    num_pages = (kv_cache.shape[0] - 1) * stride + kv_cache.shape[-2] // kernel_rows
-    view = kv_cache.as_strided(
-        (num_pages, *kv_cache.shape[1:-2], kernel_rows, kv_cache.shape[-1]),
-        (page_stride, *kv_cache.stride()[1:]),
-    )
-    return view, stride
 
 
 class KimiK3IndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
@@ -620,6 +591,29 @@ class KimiK3IndexerCache(DeepseekV32IndexerCache):
         return KimiK3IndexerBackend
 
 
+class KimiK3FlashMLASparseBackend(FlashMLASparseBackend):
+    """FlashMLA sparse for the MLA cache of the Kimi K3.1 DSA layers: the same
+    kernels and metadata, and the packed row's MLA pages split into 64-token
+    kernel pages wherever FlashMLA sparse reads them so (SM10x), or where
+    :data:`MLA_KERNEL_PAGES_ENV` forces it (SM90, which reads such pages too).
+
+    A split MLA cache is written at kernel-page slots: the ``mla_page_slots``
+    seam remaps the group's manager-block slots (:func:`kernel_page_slots`)
+    for the upstream insert and our fused prologue alike, and the runner hands
+    the builder the kernel block table, so the insert and the reads address the
+    same pages.
+    """
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        if mla_kernel_pages_forced():
+            return [MLA_KERNEL_PAGE_TOKENS]
+        return FlashMLASparseBackend.get_supported_kernel_block_sizes(kv_cache_spec)
+
+
 def is_kimi_k3_dsa_backend(backend: Any) -> bool:
-    """Whether an attention backend class writes one of our packed caches."""
-    return isinstance(backend, type) and issubclass(backend, KimiK3IndexerBackend)
+    """Whether an attention backend class writes one of our packed caches
+    through slots that address kernel pages (so the runner may split it)."""
+    return isinstance(backend, type) and issubclass(
+        backend, (KimiK3IndexerBackend, KimiK3FlashMLASparseBackend)
+    )

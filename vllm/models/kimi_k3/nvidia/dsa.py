@@ -471,6 +471,8 @@ class KimiK3DSAAttention(nn.Module):
             **wrapper_kwargs,
         )
 
+        use_kimi_k3_mla_backend(self.mla_attn.mla_attn)
+
         indexer = self.dsa_indexer
         # Dense-MHA prefills never read the top-k indices (PCP excluded, as
         # upstream). Our indexer has no ``indexer_op``, so the wrapper leaves
@@ -1027,6 +1029,17 @@ class KimiK3DSAIndexer(nn.Module):
             skip_topk_buffer_clear=self.use_fused_k_insert,
             topk_backend=self.topk_backend,
         )
+
+
+def use_kimi_k3_mla_backend(attn: Any) -> None:
+    """Give a DSA layer's MLA attention our FlashMLA sparse subclass, so that
+    the runner may split the packed row's MLA pages into kernel pages (and
+    remaps their slots); any other backend is left alone."""
+    from vllm.models.kimi_k3.common.dsa_cache import KimiK3FlashMLASparseBackend
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+
+    if getattr(attn, "attn_backend", None) is FlashMLASparseBackend:
+        attn.attn_backend = KimiK3FlashMLASparseBackend
 
 
 class KimiK3DSAIndexerKNorm(nn.Module):
