@@ -253,3 +253,29 @@ def test_multi_step_drafts_refused_with_kernel_pages(monkeypatch, vllm_config_fo
         check_mla_kernel_pages(cfg)
     monkeypatch.setenv(MLA_KERNEL_PAGES_ENV, "0")
     check_mla_kernel_pages(cfg)  # SM90 pages of whole blocks: no remap needed
+
+
+def test_runner_splits_the_mla_group_only_when_forced(allocated, monkeypatch):
+    """In a packed KV cache group each attention group picks its kernel block
+    from the manager block (``create_metadata_builders`` calls
+    ``select_common_block_size``): whole blocks for FlashMLA sparse on SM90,
+    64-token pages with the forced layout (and always for the indexer)."""
+    from vllm.v1.worker.utils import select_common_block_size
+
+    block, kv_cache_config, _ = allocated
+    group = next(
+        g for g in kv_cache_config.kv_cache_groups if "l3.mla" in g.layer_names
+    )
+    mla_spec = group.kv_cache_spec.kv_cache_specs["l3.mla"]
+    index_spec = group.kv_cache_spec.kv_cache_specs["l3.index"]
+    monkeypatch.delenv(MLA_KERNEL_PAGES_ENV, raising=False)
+    assert (
+        select_common_block_size(block, [KimiK3FlashMLASparseBackend], [mla_spec])
+        == block
+    )
+    assert select_common_block_size(block, [KimiK3IndexerBackend], [index_spec]) == PAGE
+    monkeypatch.setenv(MLA_KERNEL_PAGES_ENV, "1")
+    assert (
+        select_common_block_size(block, [KimiK3FlashMLASparseBackend], [mla_spec])
+        == PAGE
+    )
