@@ -71,3 +71,32 @@ def engine_config() -> Callable[..., Any]:
         return EngineArgs(model=str(model), **kwargs).create_engine_config()
 
     return make
+
+
+class LogRecorder:
+    """Stands in for a module's ``logger``: records every message by level."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, str]] = []
+
+    def __getattr__(self, level: str):
+        def log(msg: str, *args: Any, **kwargs: Any) -> None:
+            self.records.append((level, msg % args if args else msg))
+
+        return log
+
+    def messages(self, level: str) -> list[str]:
+        return [msg for lvl, msg in self.records if lvl == level]
+
+
+@pytest.fixture
+def record_logs(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], LogRecorder]:
+    """``record_logs(module)``: replace ``module.logger`` for the test and
+    return the recorder."""
+
+    def attach(module: Any) -> LogRecorder:
+        recorder = LogRecorder()
+        monkeypatch.setattr(module, "logger", recorder)
+        return recorder
+
+    return attach

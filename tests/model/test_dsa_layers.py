@@ -22,29 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-D = pytest.importorskip("vllm.models.kimi_k3.nvidia.dsa")
-LL = pytest.importorskip("vllm.models.kimi_k3.nvidia.dsa_low_latency")
+import vllm.models.kimi_k3.nvidia.dsa as D
+import vllm.models.kimi_k3.nvidia.dsa_low_latency as LL
 
 TOPK = 128  # the tiny dsa_config's index_topk
-
-
-class LogRecorder:
-    """Stands in for the module logger: records every message."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[str, str]] = []
-
-    def _record(self, level: str):
-        def log(msg: str, *args: Any, **kwargs: Any) -> None:
-            self.records.append((level, msg % args if args else msg))
-
-        return log
-
-    def __getattr__(self, name: str):
-        return self._record(name)
-
-    def messages(self, level: str) -> list[str]:
-        return [msg for lvl, msg in self.records if lvl == level]
 
 
 @pytest.fixture(autouse=True)
@@ -55,10 +36,9 @@ def extension_built(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def log(monkeypatch: pytest.MonkeyPatch) -> LogRecorder:
-    recorder = LogRecorder()
-    monkeypatch.setattr(D, "logger", recorder)
-    return recorder
+def log(record_logs):
+    """The DSA layer module's log messages."""
+    return record_logs(D)
 
 
 def topk_buffer(rows: int = 256) -> torch.Tensor:
@@ -312,7 +292,12 @@ def test_index_topk_freq_refused(dsa_layer_env):
 
 @pytest.mark.parametrize("freq", [1, None])
 def test_index_topk_freq_accepted(dsa_layer_env, freq):
-    build(dsa_layer_env, with_dsa(dsa_layer_env.text_config(), index_topk_freq=freq))
+    """Every layer selects its own top-k (1, or unset meaning 1)."""
+    layer = build(
+        dsa_layer_env, with_dsa(dsa_layer_env.text_config(), index_topk_freq=freq)
+    )
+    assert isinstance(layer.dsa_indexer, D.KimiK3DSAIndexer)
+    assert layer.dsa_indexer.topk_tokens == TOPK
 
 
 @pytest.mark.parametrize("rope_dim", [-2, 3])
@@ -924,7 +909,6 @@ def test_indexer_forward_dummy_run_calls_op(dsa_layer_env, monkeypatch, k_norm):
     import vllm.model_executor.layers.sparse_attn_indexer as sai
     from vllm.forward_context import set_forward_context
 
-    pytest.importorskip(f"{D.OPS_PACKAGE}.indexer_q_quant")
     seen: dict[str, Any] = {}
     real_fake = sai.sparse_attn_indexer_fake
 
@@ -1133,8 +1117,6 @@ def test_indexer_forward_dummy_run_with_index_rope(dsa_layer_env, monkeypatch):
     import vllm.model_executor.layers.sparse_attn_indexer as sai
     from vllm.forward_context import set_forward_context
 
-    pytest.importorskip(f"{D.OPS_PACKAGE}.indexer_q_quant")
-    pytest.importorskip(f"{D.OPS_PACKAGE}.index_rope")
     seen: dict[str, Any] = {}
     real_fake = sai.sparse_attn_indexer_fake
 

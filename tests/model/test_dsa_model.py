@@ -50,25 +50,10 @@ class _NoCudaStream:
         pass
 
 
-class LogRecorder:
-    def __init__(self) -> None:
-        self.records: list[tuple[str, str]] = []
-
-    def __getattr__(self, level: str):
-        def log(msg: str, *args: Any, **kwargs: Any) -> None:
-            self.records.append((level, msg % args if args else msg))
-
-        return log
-
-    def messages(self, level: str) -> list[str]:
-        return [m for lvl, m in self.records if lvl == level]
-
-
 @pytest.fixture
-def dsa_log(monkeypatch: pytest.MonkeyPatch) -> LogRecorder:
-    recorder = LogRecorder()
-    monkeypatch.setattr(D, "logger", recorder)
-    return recorder
+def dsa_log(record_logs):
+    """The DSA layer module's log messages."""
+    return record_logs(D)
 
 
 def plain_vllm_config(env) -> Any:
@@ -253,7 +238,7 @@ def test_module_tree_dsa_exactly_at_full_attention_layers(dsa_layer_env) -> None
 
 
 def test_one_model_level_topk_buffer_and_index_group_builder(
-    dsa_layer_env, dsa_log: LogRecorder
+    dsa_layer_env, dsa_log
 ) -> None:
     model = build(dsa_layer_env)
     inner = model.model
@@ -346,7 +331,7 @@ def test_dsa_parameter_shapes(dsa_layer_env) -> None:
 
 
 def test_mtp_layer_is_dsa_with_the_drafts_model_level_buffer(
-    dsa_layer_env, dsa_log: LogRecorder
+    dsa_layer_env, dsa_log
 ) -> None:
     mtp = build(dsa_layer_env, "mtp")
     attn = mtp.model.layers[str(MTP_LAYER)].mtp_block.self_attn
@@ -365,7 +350,7 @@ def test_mtp_layer_is_dsa_with_the_drafts_model_level_buffer(
 
 
 def test_decoder_layer_built_directly_takes_the_fallback_buffer_and_warns(
-    dsa_layer_env, dsa_log: LogRecorder
+    dsa_layer_env, dsa_log
 ) -> None:
     """A host that builds ``KimiDecoderLayer`` outside a Kimi model gets the
     seed's per-layer fallback buffer, with its warning."""

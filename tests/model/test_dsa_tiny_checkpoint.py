@@ -89,7 +89,12 @@ def test_multimodal_prefix() -> None:
 
 def test_cli_writes_config_and_weights(tmp_path: Path) -> None:
     T.main([str(tmp_path / "full")])
-    assert (tmp_path / "full" / T.CHECKPOINT_FILE).exists()
+    full = json.loads((tmp_path / "full" / "config.json").read_text())
+    assert full["dsa_config"] == T.TINY_DSA_CONFIG
+    weights = safetensors_torch.load_file(str(tmp_path / "full" / T.CHECKPOINT_FILE))
+    expected = T.tiny_checkpoint_shapes(full)
+    assert {n: tuple(t.shape) for n, t in weights.items()} == expected
+    assert any(".indexer.wq_b." in n for n in weights)
     T.main([str(tmp_path / "plain"), "--no-dsa"])
     plain = json.loads((tmp_path / "plain" / "config.json").read_text())
     assert "dsa_config" not in plain
