@@ -30,6 +30,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
 from vllm.models.kimi_k3.common.dsa_config import mla_kernel_pages_forced
 from vllm.models.kimi_k3.common.dsa_pages import MLA_KERNEL_PAGE_TOKENS
+from vllm.models.kimi_k3.nvidia.dsa_ops import formats
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backends.mla.compressor_utils import (
     get_compressed_slot_mapping,
@@ -53,14 +54,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# One UE8M0 scale byte per 32 MXFP4 values (the OCP MX block).
-MXFP4_BLOCK_SIZE = 32
-# One fp32 scale per token for fp8 indexer keys (DeepGEMM's layout).
-FP8_INDEXER_SCALE_BYTES = 4
-# fp8_ds_mla: one fp32 scale per 128 latent values, rope values kept in bf16.
-FP8_DS_MLA_TILE = 128
-FP8_DS_MLA_SCALE_BYTES = 4
-FP8_DS_MLA_ROPE_DTYPE_BYTES = 2
 # Reference TP of the packed block size (see ``packed_dsa_block_size``).
 #
 # A KDA state shards with TP (its heads are split), a DSA row does not (the
@@ -82,30 +75,14 @@ DENSE_MLA_DRAFT_METHODS = ("eagle3", "dspark")
 
 
 def indexer_cache_entry_bytes(head_dim: int, use_fp4_cache: bool) -> int:
-    """Indexer key cache bytes per token.
-
-    FP8: ``head_dim`` e4m3 values and one 4 B scale (132 B at head dim 128).
-    MXFP4: two e2m1 values per byte and one UE8M0 byte per 32 values (68 B at
-    head dim 128).
-    """
-    if use_fp4_cache:
-        if head_dim % MXFP4_BLOCK_SIZE:
-            raise ValueError(
-                f"MXFP4 indexer keys need a head dim that is a multiple of "
-                f"{MXFP4_BLOCK_SIZE}, got {head_dim}"
-            )
-        return head_dim // 2 + head_dim // MXFP4_BLOCK_SIZE
-    return head_dim + FP8_INDEXER_SCALE_BYTES
+    """Indexer key cache bytes per token: 132 (fp8) or 68 (MXFP4) at head dim
+    128, as the kernels write them (``dsa_ops.formats``)."""
+    return formats.indexer_entry_bytes(head_dim, use_fp4_cache)
 
 
 def fp8_ds_mla_bytes_per_token(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
-    """Bytes of one token in the ``fp8_ds_mla`` format: fp8 latent values, one
-    fp32 scale per 128 of them, bf16 rope values (656 for 512 + 64)."""
-    return (
-        kv_lora_rank
-        + cdiv(kv_lora_rank, FP8_DS_MLA_TILE) * FP8_DS_MLA_SCALE_BYTES
-        + qk_rope_head_dim * FP8_DS_MLA_ROPE_DTYPE_BYTES
-    )
+    """Bytes of one token in the ``fp8_ds_mla`` format (656 for 512 + 64)."""
+    return formats.ds_mla_entry_bytes(kv_lora_rank, qk_rope_head_dim)
 
 
 def mla_page_bytes_per_token(

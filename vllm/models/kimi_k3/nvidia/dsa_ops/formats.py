@@ -41,9 +41,12 @@ DS_MLA_NOPE_DIM = 512
 DS_MLA_TILE = 128
 DS_MLA_NUM_TILES = DS_MLA_NOPE_DIM // DS_MLA_TILE
 DS_MLA_ROPE_DIM = 64
+# One fp32 scale per tile; rope values stay bf16.
+DS_MLA_SCALE_BYTES = 4
+DS_MLA_ROPE_DTYPE_BYTES = 2
 DS_MLA_SCALE_OFFSET = DS_MLA_NOPE_DIM
-DS_MLA_ROPE_OFFSET = DS_MLA_NOPE_DIM + 4 * DS_MLA_NUM_TILES
-DS_MLA_ENTRY_BYTES = DS_MLA_ROPE_OFFSET + 2 * DS_MLA_ROPE_DIM  # 656
+DS_MLA_ROPE_OFFSET = DS_MLA_NOPE_DIM + DS_MLA_SCALE_BYTES * DS_MLA_NUM_TILES
+DS_MLA_ENTRY_BYTES = DS_MLA_ROPE_OFFSET + DS_MLA_ROPE_DTYPE_BYTES * DS_MLA_ROPE_DIM
 
 # e2m1 magnitudes by code (bit 3 is the sign).
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -73,7 +76,24 @@ def indexer_scale_bytes(head_dim: int, fp4: bool) -> int:
 
 def indexer_entry_bytes(head_dim: int, fp4: bool) -> int:
     """Bytes per token of the indexer cache: 132 (fp8) or 68 (MXFP4) at 128."""
+    if fp4 and head_dim % MXFP4_BLOCK_SIZE:
+        raise ValueError(
+            f"MXFP4 indexer keys need a head dim that is a multiple of "
+            f"{MXFP4_BLOCK_SIZE}, got {head_dim}"
+        )
     return indexer_value_bytes(head_dim, fp4) + indexer_scale_bytes(head_dim, fp4)
+
+
+def ds_mla_entry_bytes(kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes per token of an ``fp8_ds_mla`` entry for other latent and rope
+    sizes (656 at 512 + 64): fp8 codes, one fp32 scale per started tile,
+    bf16 rope values."""
+    num_tiles = -(-kv_lora_rank // DS_MLA_TILE)
+    return (
+        kv_lora_rank
+        + num_tiles * DS_MLA_SCALE_BYTES
+        + rope_dim * DS_MLA_ROPE_DTYPE_BYTES
+    )
 
 
 def ceil_log2(x: torch.Tensor) -> torch.Tensor:
