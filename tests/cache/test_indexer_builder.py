@@ -28,7 +28,6 @@ from vllm.models.kimi_k3.common.dsa_cache import (
     KimiK3IndexerBackend,
     KimiK3IndexerCache,
     KimiK3IndexerMetadataBuilder,
-    check_packed_dsa_layout,
 )
 
 MANAGER_BLOCK = 256
@@ -264,6 +263,8 @@ def test_builder_validates_the_key_format(indexer_group, monkeypatch):
 
 
 def test_builder_refuses_pcp():
+    from vllm.models.kimi_k3.common.dsa_config import check_dsa_pcp
+
     # Stub config: only the parallel layout is read before the refusal.
     cfg = SimpleNamespace(
         parallel_config=SimpleNamespace(prefill_context_parallel_size=2)
@@ -271,12 +272,8 @@ def test_builder_refuses_pcp():
     with pytest.raises(NotImplementedError, match="packed DSA caches with PCP"):
         KimiK3IndexerMetadataBuilder(None, [], cfg, torch.device("cpu"))
     with pytest.raises(NotImplementedError, match="packed DSA caches with PCP"):
-        check_packed_dsa_layout(cfg)
-    check_packed_dsa_layout(
-        SimpleNamespace(
-            parallel_config=SimpleNamespace(prefill_context_parallel_size=1)
-        )
-    )
+        check_dsa_pcp(cfg.parallel_config)
+    check_dsa_pcp(SimpleNamespace(prefill_context_parallel_size=1))
 
 
 def test_pcp_refused_at_startup(tiny_checkpoint, engine_config):

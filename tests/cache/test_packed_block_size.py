@@ -222,10 +222,6 @@ def test_mxfp4_refused_without_fused_key_insert(monkeypatch):
     )  # rmsnorm k-norm
     with pytest.raises(ValueError, match="fused Kimi K3 DSA key insert"):
         dsa_cache.kimi_k3_indexer_uses_fp4(cfg)
-    cfg = _namespace_vllm_config(dict(num_dsa=2, num_states=3), 1, "mxfp4")
-    cfg.parallel_config.prefill_context_parallel_size = 2
-    with pytest.raises(ValueError, match="prefill context parallelism"):
-        dsa_cache.kimi_k3_indexer_uses_fp4(cfg)
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)

@@ -320,13 +320,21 @@ def test_bad_serving_flags_refused(
         engine_config(tiny_checkpoint(**overrides), **kwargs)
 
 
-def test_mxfp4_refused_with_prefill_context_parallelism(tiny_checkpoint, engine_config):
-    config = engine_config(
-        tiny_checkpoint(), attention_config={"indexer_kv_dtype": "mxfp4"}
-    )
+@pytest.mark.parametrize("indexer_kv_dtype", ["auto", "mxfp4"])
+def test_prefill_context_parallelism_refused_first(
+    tiny_checkpoint, engine_config, indexer_kv_dtype
+):
+    """PCP is refused for every DSA model, before the indexer dtype (MXFP4
+    off SM10x would be refused too) is looked at."""
+    config = engine_config(tiny_checkpoint())
+    config.attention_config.indexer_kv_dtype = indexer_kv_dtype
     # PCP > 1 needs several ranks to configure; the rule reads only this field.
     config.parallel_config.prefill_context_parallel_size = 2
-    with pytest.raises(ValueError, match=r"not supported with prefill context"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"Kimi-K3.1 packed DSA caches with PCP: prefill context parallelism "
+        r"\(prefill_context_parallel_size=2\) is not supported",
+    ):
         verify_dsa_vllm_config(config)
 
 

@@ -281,10 +281,8 @@ def test_one_model_level_topk_buffer_and_index_group_builder(
 def test_topk_buffer_rows_dcp_slack() -> None:
     from types import SimpleNamespace
 
-    from vllm.models.kimi_k3.nvidia.dsa_model import (
-        make_topk_indices_buffer,
-        topk_indices_buffer_rows,
-    )
+    from vllm.models.kimi_k3.common.dsa_config import topk_indices_buffer_rows
+    from vllm.models.kimi_k3.nvidia.dsa_model import make_topk_indices_buffer
 
     def cfg(dcp: int) -> Any:
         return SimpleNamespace(

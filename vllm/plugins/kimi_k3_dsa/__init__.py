@@ -18,12 +18,9 @@ Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
                          ``VLLM_KIMI_K3_DSA_*`` variables (part of the
                          torch.compile cache key)
 ``config_verifier``      ``model_executor/models/config.py``
-                         ``MODELS_CONFIG_MAP`` -> DSA rules and ``fp8_ds_mla``
-                         in the Kimi K3 verifier
-``packed_layout_check``  ``model_executor/models/config.py``
-                         ``HybridAttentionMambaModelConfig.verify_and_update_
-                         config`` -> refuse PCP with packed DSA caches at
-                         startup
+                         ``MODELS_CONFIG_MAP`` -> DSA rules (PCP refused,
+                         top-k, MLA dims, indexer dtype, parallelism) and
+                         ``fp8_ds_mla`` in the Kimi K3 verifier
 ``block_size``           ``platforms/interface.py``
                          ``Platform._align_hybrid_block_size`` -> for a
                          KDA-hybrid DSA model the block is
@@ -74,7 +71,6 @@ PATCH_MODULES: tuple[str, ...] = (
     "hf_config",
     "envs",
     "config_verifier",
-    "packed_layout_check",
     "block_size",
     "kernel_block_split",
     "mla_page_slots",

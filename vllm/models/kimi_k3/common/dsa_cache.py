@@ -28,7 +28,11 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
-from vllm.models.kimi_k3.common.dsa_config import mla_kernel_pages_forced
+from vllm.models.kimi_k3.common.dsa_config import (
+    check_dsa_pcp,
+    check_mxfp4_indexer,
+    mla_kernel_pages_forced,
+)
 from vllm.models.kimi_k3.common.dsa_pages import MLA_KERNEL_PAGE_TOKENS
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats
 from vllm.utils.math_utils import cdiv
@@ -119,48 +123,18 @@ def kimi_k3_indexer_uses_fp4(vllm_config: VllmConfig) -> bool:
     (132 B/token, the default, ``indexer_kv_dtype='auto'``).
 
     MXFP4 is opt-in (``--attention-config '{"indexer_kv_dtype": "mxfp4"}'``)
-    and needs SM10x (checked by 0.33.0's ``dsa_indexer_uses_fp4``), the fused
-    key insert (layernorm k-norm, no indexer RoPE) and no prefill context
-    parallelism; anything else raises instead of writing another format.
+    and needs SM10x (checked by 0.33.0's ``dsa_indexer_uses_fp4``) and the
+    fused key insert (:func:`check_mxfp4_indexer`, also run by the config
+    verifier); anything else raises instead of writing another format.
     """
     if not dsa_indexer_uses_fp4(vllm_config):
         return False
     model_config = getattr(vllm_config, "model_config", None)
     text_config = getattr(model_config, "hf_text_config", None)
     dsa_config = getattr(text_config, "dsa_config", None)
-    if dsa_config is not None and not (
-        getattr(dsa_config, "index_k_norm_type", "rmsnorm") == "layernorm"
-        and getattr(dsa_config, "index_rope_dim", 0) == 0
-    ):
-        raise ValueError(
-            "indexer_kv_dtype='mxfp4' needs the fused Kimi K3 DSA key insert "
-            "(index_k_norm_type='layernorm', index_rope_dim=0)."
-        )
-    parallel_config = getattr(vllm_config, "parallel_config", None)
-    if getattr(parallel_config, "prefill_context_parallel_size", 1) > 1:
-        raise ValueError(
-            "indexer_kv_dtype='mxfp4' is not supported with prefill context "
-            "parallelism for Kimi K3 DSA."
-        )
+    if dsa_config is not None:
+        check_mxfp4_indexer(dsa_config)
     return True
-
-
-def check_packed_dsa_layout(vllm_config: VllmConfig) -> None:
-    """Refuse a parallel layout the packed DSA caches cannot be written in.
-
-    Under prefill context parallelism a token's indexer key and MLA latent
-    are written by the rank that owns it, through manager-block slots that
-    interleave across ranks; the block-table-derived slots of the packed row
-    (see :class:`KimiK3IndexerMetadataBuilder`) do not model that.
-    """
-    parallel_config = vllm_config.parallel_config
-    pcp = getattr(parallel_config, "prefill_context_parallel_size", 1)
-    if pcp > 1:
-        raise NotImplementedError(
-            "Kimi-K3.1 packed DSA caches with PCP: prefill context parallelism "
-            f"(prefill_context_parallel_size={pcp}) is not supported for Kimi "
-            "K3.1 DSA models; use tensor or decode context parallelism instead."
-        )
 
 
 def is_kda_hybrid_dsa(vllm_config: VllmConfig) -> bool:
@@ -458,7 +432,7 @@ def apply_packed_dsa_block_size(
     """
     if not is_kda_hybrid_dsa(vllm_config):
         return None
-    check_packed_dsa_layout(vllm_config)
+    check_dsa_pcp(vllm_config.parallel_config)
     cache_config = vllm_config.cache_config
     block_size = packed_dsa_block_size(
         vllm_config,
@@ -499,10 +473,9 @@ class KimiK3IndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
         vllm_config = kwargs.get("vllm_config", args[2] if len(args) > 2 else None)
         if vllm_config is not None:
             # Before the base class touches the PCP group.
-            check_packed_dsa_layout(vllm_config)
+            check_dsa_pcp(vllm_config.parallel_config)
         super().__init__(*args, **kwargs)
-        if self.use_pcp:
-            raise NotImplementedError("Kimi-K3.1 packed DSA caches with PCP")
+        assert not self.use_pcp, "refused by check_dsa_pcp"
         # The K3.1 key format, validated when the builder is made.
         self.indexer_uses_fp4 = kimi_k3_indexer_uses_fp4(self.vllm_config)
         self.slot_mapping_buffer = torch.zeros(

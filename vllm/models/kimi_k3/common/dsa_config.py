@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import DEEPGEMM_INDEX_HEADS
 from vllm.transformers_utils.configs.kimi_k3 import KimiK3Config
 from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 
@@ -34,7 +35,7 @@ logger = init_logger(__name__)
 INDEX_K_NORM_TYPES = ("rmsnorm", "layernorm")
 # DeepGEMM's indexer MQA-logits kernels pad the heads to 32 or 64 and take no
 # more.
-MAX_INDEX_NUM_HEADS = 64
+MAX_INDEX_NUM_HEADS = max(DEEPGEMM_INDEX_HEADS)
 INDEX_HEAD_DIM_MULTIPLE = 32
 # vLLM 0.33.0's FlashMLA sparse backend turns each top-k row into cache slots
 # with triton_convert_req_index_to_global_index, 128 columns per tile.
@@ -438,10 +439,24 @@ def resolve_dsa_cache_dtype(cache_dtype: str) -> str:
     return resolved
 
 
-def check_mxfp4_indexer(dsa: DSAConfig, prefill_context_parallel_size: int) -> None:
-    """The model-side rules of MXFP4 indexer keys (the GPU rule is
+def check_dsa_pcp(parallel_config: Any) -> None:
+    """Refuse prefill context parallelism: a token's indexer key and MLA
+    latent would be written by the rank that owns it, through slots that
+    interleave across ranks, which the packed DSA row's block-table-derived
+    slots (``KimiK3IndexerMetadataBuilder``) do not model."""
+    pcp = getattr(parallel_config, "prefill_context_parallel_size", 1)
+    if pcp > 1:
+        raise NotImplementedError(
+            "Kimi-K3.1 packed DSA caches with PCP: prefill context parallelism "
+            f"(prefill_context_parallel_size={pcp}) is not supported for Kimi "
+            "K3.1 DSA models; use tensor parallelism instead."
+        )
+
+
+def check_mxfp4_indexer(dsa: DSAConfig) -> None:
+    """The model-side rule of MXFP4 indexer keys (the GPU rule is
     :func:`check_indexer_kv_dtype`'s): they are written only by the fused key
-    insert (layernorm k-norm, no indexer rope) and not gathered under PCP."""
+    insert (layernorm k-norm, no indexer rope)."""
     if not (dsa.index_k_norm_type == "layernorm" and dsa.index_rope_dim == 0):
         raise ValueError(
             "indexer_kv_dtype='mxfp4' needs the fused Kimi K3 DSA key insert "
@@ -449,19 +464,14 @@ def check_mxfp4_indexer(dsa: DSAConfig, prefill_context_parallel_size: int) -> N
             f"index_k_norm_type={dsa.index_k_norm_type!r}, "
             f"index_rope_dim={dsa.index_rope_dim}"
         )
-    if prefill_context_parallel_size > 1:
-        raise ValueError(
-            "indexer_kv_dtype='mxfp4' is not supported with prefill context "
-            "parallelism for Kimi K3 DSA."
-        )
 
 
 def check_indexer_kv_dtype(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
     """Validate ``--attention-config '{"indexer_kv_dtype": ...}'``.
 
     MXFP4 keys are written only by the fused key insert (layernorm k-norm, no
-    indexer rope), are not gathered under prefill context parallelism, and are
-    read by DeepGEMM's FP4 MQA logits, which exist on SM10x only.
+    indexer rope) and read by DeepGEMM's FP4 MQA logits, which exist on SM10x
+    only.
     """
     from vllm.platforms import current_platform
 
@@ -473,7 +483,7 @@ def check_indexer_kv_dtype(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
         )
     if requested != "mxfp4":
         return
-    check_mxfp4_indexer(dsa, vllm_config.parallel_config.prefill_context_parallel_size)
+    check_mxfp4_indexer(dsa)
     if current_platform.is_cuda() and not current_platform.is_device_capability_family(
         100
     ):
@@ -530,6 +540,19 @@ def check_dsa_parallelism(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
             )
 
 
+def topk_indices_buffer_rows(vllm_config: VllmConfig) -> int:
+    """Rows of the model-level top-k buffer.
+
+    ``max_num_batched_tokens`` plus, under decode context parallelism, the
+    ``W - 1`` rows of slack that allgather-k mode needs: prefill rows are padded
+    to ``ceil(P / W)`` per rank, so the gathered output takes at most ``W - 1``
+    rows more than the batch's tokens.
+    """
+    dcp_world_size = vllm_config.parallel_config.decode_context_parallel_size
+    slack = dcp_world_size - 1 if dcp_world_size > 1 else 0
+    return vllm_config.scheduler_config.max_num_batched_tokens + slack
+
+
 def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
     """Refuse what cannot be served and force the cache format, for a Kimi
     K3.1 model; a no-op for any other model.
@@ -549,6 +572,7 @@ def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
     if current_platform.is_xpu():
         raise NotImplementedError(XPU_REASON)
     dsa: DSAConfig = text_config.dsa_config
+    check_dsa_pcp(vllm_config.parallel_config)
     check_decode_backend(vllm_config)
     check_dsa_model(dsa, text_config)
     check_dsa_serving(text_config)

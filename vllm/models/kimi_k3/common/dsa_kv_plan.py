@@ -437,7 +437,7 @@ def make_plan(
     use_fp4 = indexer_kv_dtype == "mxfp4"
     if use_fp4:
         try:
-            check_mxfp4_indexer(dsa, prefill_context_parallel_size=1)
+            check_mxfp4_indexer(dsa)
         except ValueError as exc:
             raise PlanError(str(exc)) from None
     if max_model_len is None:

@@ -63,12 +63,14 @@ from vllm.model_executor.utils import is_weights_pre_processed
 from vllm.models.kimi_k3.common.dsa_config import (
     FORCE_WRAPPER_ENV,
     force_wrapper_forward,
+    topk_indices_buffer_rows,
 )
 from vllm.models.kimi_k3.nvidia.dsa_low_latency import (
     low_latency_linear,
     request_low_latency_warmup,
 )
 from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import (
+    DEEPGEMM_INDEX_HEADS,
     fused_prologue_unsupported,
     k_insert_unsupported,
 )
@@ -96,7 +98,6 @@ def _ops(module: str) -> Any:
 
 
 # DeepGEMM's indexer MQA-logits kernels take exactly 32 or 64 heads.
-_DEEPGEMM_INDEX_HEADS = (32, 64)
 
 
 def padded_num_heads(num_heads: int, tp_size: int) -> int:
@@ -106,7 +107,7 @@ def padded_num_heads(num_heads: int, tp_size: int) -> int:
 
 def padded_index_num_heads(index_num_heads: int) -> int:
     """The head count DeepGEMM's indexer kernels run ``index_num_heads`` at."""
-    for width in _DEEPGEMM_INDEX_HEADS:
+    for width in DEEPGEMM_INDEX_HEADS:
         if index_num_heads <= width:
             return width
     raise ValueError(
@@ -390,15 +391,8 @@ class KimiK3DSAAttention(nn.Module):
                 "topk_indices_buffer; allocating a per-layer fallback."
             )
             topk_buffer_device = "cuda" if torch.cuda.is_available() else "cpu"
-            # Same slack as the model-level buffer: under DCP allgather-k the
-            # gathered rows exceed the tokens by at most W - 1.
-            dcp_world_size = vllm_config.parallel_config.decode_context_parallel_size
-            dcp_kg_slack = dcp_world_size - 1 if dcp_world_size > 1 else 0
             topk_indices_buffer = torch.empty(
-                (
-                    vllm_config.scheduler_config.max_num_batched_tokens + dcp_kg_slack,
-                    self.index_topk,
-                ),
+                (topk_indices_buffer_rows(vllm_config), self.index_topk),
                 dtype=torch.int32,
                 device=topk_buffer_device,
             )

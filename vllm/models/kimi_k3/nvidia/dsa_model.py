@@ -53,7 +53,10 @@ import torch
 from torch import nn
 
 from vllm.logger import init_logger
-from vllm.models.kimi_k3.common.dsa_config import is_dsa_model
+from vllm.models.kimi_k3.common.dsa_config import (
+    is_dsa_model,
+    topk_indices_buffer_rows,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -101,19 +104,6 @@ WeightItem = tuple[str, torch.Tensor] | tuple[str, torch.Tensor, dict[str, Any]]
 # ---------------------------------------------------------------------------
 # Model-level shared state: one top-k buffer, one index-group builder
 # ---------------------------------------------------------------------------
-
-
-def topk_indices_buffer_rows(vllm_config: VllmConfig) -> int:
-    """Rows of the model-level top-k buffer.
-
-    ``max_num_batched_tokens`` plus, under decode context parallelism, the
-    ``W - 1`` rows of slack that allgather-k mode needs: prefill rows are padded
-    to ``ceil(P / W)`` per rank, so the gathered output takes at most ``W - 1``
-    rows more than the batch's tokens.
-    """
-    dcp_world_size = vllm_config.parallel_config.decode_context_parallel_size
-    slack = dcp_world_size - 1 if dcp_world_size > 1 else 0
-    return vllm_config.scheduler_config.max_num_batched_tokens + slack
 
 
 def make_topk_indices_buffer(

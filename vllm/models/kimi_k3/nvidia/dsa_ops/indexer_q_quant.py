@@ -47,6 +47,7 @@ from vllm.models.kimi_k3.nvidia.dsa_ops.formats import (
     fp8_quantize_rows,
     mxfp4_quantize_rows,
 )
+from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import DEEPGEMM_INDEX_HEADS
 
 try:
     import triton
@@ -57,7 +58,7 @@ except ImportError:  # pragma: no cover - triton ships with CUDA torch
     HAS_TRITON = False
 
 # DeepGEMM's MQA logits kernels are compiled for these head counts only.
-SUPPORTED_PADDED_HEADS = (32, 64)
+SUPPORTED_PADDED_HEADS = DEEPGEMM_INDEX_HEADS
 # Head dim of the MXFP4 query: one int32 holds exactly four block scales.
 MXFP4_HEAD_DIM = 4 * MXFP4_BLOCK_SIZE
 

@@ -16,6 +16,9 @@ KERNEL_ROPE_DIM = 64
 KERNEL_INDEX_HEAD_DIM = 128
 # 16-byte vector loads of bf16 rows: row strides in multiples of 8 elements.
 KERNEL_ROW_ALIGN_ELEMENTS = 8
+# The head counts DeepGEMM's indexer MQA-logits kernels run at (the indexer's
+# heads are zero-padded up to the first that holds them).
+DEEPGEMM_INDEX_HEADS = (32, 64)
 
 
 def k_insert_unsupported(index_head_dim: int, index_num_heads: int) -> list[str]:
