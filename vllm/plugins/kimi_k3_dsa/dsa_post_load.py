@@ -38,7 +38,7 @@ _MARK = "_kimi_k3_dsa_post_load"
 
 
 def _add_hook(cls: type) -> None:
-    from vllm.models.kimi_k3.nvidia.dsa_model import pack_dsa_projections
+    from vllm.models.kimi_k3.nvidia.dsa_weights import pack_dsa_projections
 
     previous = cls.__dict__.get("process_weights_after_loading")
     if getattr(previous, _MARK, False):

@@ -59,13 +59,13 @@ def _wrap_load_weights(cls: type, loader: Any) -> None:
 
 
 def _patch_model(module: ModuleType) -> None:
-    from vllm.models.kimi_k3.nvidia.dsa_model import load_kimi_linear_model_weights
+    from vllm.models.kimi_k3.nvidia.dsa_weights import load_kimi_linear_model_weights
 
     _wrap_load_weights(module.KimiLinearModel, load_kimi_linear_model_weights)
 
 
 def _patch_mtp(module: ModuleType) -> None:
-    from vllm.models.kimi_k3.nvidia.dsa_model import load_kimi_k3_mtp_weights
+    from vllm.models.kimi_k3.nvidia.dsa_weights import load_kimi_k3_mtp_weights
 
     _wrap_load_weights(module.KimiK3MTP, load_kimi_k3_mtp_weights)
 
