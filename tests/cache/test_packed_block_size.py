@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The packed DSA block size: the seed's claims as checked properties, the
+"""The packed DSA block size: the rule's claims as checked properties, the
 real packer of vLLM 0.33.0 on our block size, and the block-size seam on the
 real configuration path."""
 

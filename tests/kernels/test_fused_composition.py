@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fused forward's composition equals the unpacked one (issue 6).
+"""The fused forward's composition equals the unpacked one.
 
 Fused: one GEMM over ``[q_a | kv_a | wk | weights_proj]``, the DSA prologue
 (norms + both cache inserts + top-k fill), one GEMM over ``[q_b | wq_index]``,

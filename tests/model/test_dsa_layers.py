@@ -903,7 +903,7 @@ def test_packed_plan_configs_satisfy_kernel_constraints():
 
 @pytest.mark.parametrize("k_norm", ["layernorm", "rmsnorm"])
 def test_indexer_forward_dummy_run_calls_op(dsa_layer_env, monkeypatch, k_norm):
-    """A profile (dummy) run through the real op schema: the seed's argument
+    """A profile (dummy) run through the real op schema: upstream's argument
     list binds, the fp8 query scale is folded (q_scale None), the heads are
     zero-padded to 32, and the fused insert skips the key."""
     import vllm.model_executor.layers.sparse_attn_indexer as sai

@@ -160,7 +160,7 @@ def fused_k_insert_blockers(
 ) -> list[str]:
     """Why the indexer cannot use our fused key insert (empty: it can).
 
-    The seed's selection (no PCP, LayerNorm k-norm, no indexer rope) plus
+    Upstream's selection (no PCP, LayerNorm k-norm, no indexer rope) plus
     what our kernels need: ``vllm._kimi_k3_C`` loaded and the shapes it was
     compiled for.
     """
@@ -807,9 +807,9 @@ class KimiK3DSAIndexer(nn.Module):
         self.dense_mha_metadata_layer_name = ""
         self.topk_backend = vllm_config.kernel_config.sparse_indexer_topk_backend
         # The fused insert normalizes and quantizes the key itself; PCP needs
-        # the op to gather the unquantized key instead. The seed's selection,
+        # the op to gather the unquantized key instead. Upstream's selection,
         # plus our extension: without vllm._kimi_k3_C the key is normed here
-        # and 0.33.0's op inserts it (fp8 only), as DESIGN's wrapper path says.
+        # and 0.33.0's op inserts it (fp8 only), the wrapper path.
         self.k_insert_blockers = fused_k_insert_blockers(
             self.use_pcp,
             index_k_norm_type,
@@ -850,8 +850,8 @@ class KimiK3DSAIndexer(nn.Module):
     def cp_kv_cache_interleave_size(self) -> int:
         """The parallel config's value, cached once a real batch runs.
 
-        vLLM finalizes it after block-size setup, ahead of warmup; unlike the
-        seed's comment, 0.33.0's SparseAttnIndexer reads it eagerly each call.
+        vLLM finalizes it after block-size setup, ahead of warmup (0.33.0's
+        SparseAttnIndexer reads it eagerly on each call instead).
         """
         if self._cp_kv_cache_interleave_size is None:
             value = self._parallel_config.cp_kv_cache_interleave_size

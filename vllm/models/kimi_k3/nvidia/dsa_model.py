@@ -222,7 +222,7 @@ def kimi_k3_attention_factory(
         extra["index_group_builder"] = state.index_group_builder
         state.layers.append(prefix)
     # Without a model scope (a host that builds KimiDecoderLayer directly) the
-    # layer allocates the seed's per-layer fallback buffer and warns.
+    # layer allocates a per-layer fallback buffer and warns.
     return KimiK3DSAAttention(
         config,
         hidden_size,

@@ -4,7 +4,7 @@ This layer imports torch (and triton) and the ``vllm._kimi_k3_C`` extension
 only, never upstream vLLM, so the GPU tests run on a machine where vLLM is not
 installed. Each reference defines its kernel's exact semantics, byte for byte.
 
-It is ``nvidia/dsa_ops`` rather than DESIGN.md's ``nvidia/ops`` because vLLM
+It is ``nvidia/dsa_ops`` rather than ``nvidia/ops`` because vLLM
 0.33.0 already owns ``vllm/models/kimi_k3/nvidia/ops/`` (``attn_res``): an
 ``__init__.py`` of ours there would replace upstream's on install, and under an
 editable install upstream's package would hide our modules.

@@ -310,7 +310,8 @@ if HAS_TRITON:
         )
 
 
-# Heads per program. None: by token count (H200, issue 7 benchmark: 8 heads
+# Heads per program. None: by token count (measured on the H200, see
+# docs/kernels.md: 8 heads
 # keep small batches spread over the SMs; 32 heads, one token per program,
 # reach 0.99 of copy bandwidth at 64K tokens). An int overrides (tuning).
 _BLOCK_H: int | None = None
