@@ -54,6 +54,28 @@ Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
                          ``pack_projections()`` on DSA layers
 =======================  =====================================================
 
+Remove a seam when the vLLM this package targets has its in-tree edit; until
+then the version pin below keeps every seam's target what it was written for:
+
+=======================  =====================================================
+Patch module             Remove when vLLM ...
+=======================  =====================================================
+``hf_config``            parses ``dsa_config`` on ``KimiLinearConfig``
+``envs``                 lists the ``VLLM_KIMI_K3_DSA_*`` variables in
+                         ``envs.environment_variables``
+``config_verifier``      verifies DSA models in its Kimi K3 verifier
+``block_size``           sizes a packed DSA row (MLA + indexer + draft pages,
+                         its KDA states) in ``_align_hybrid_block_size``
+``kernel_block_split``   lets a backend whose token cache is written at
+                         kernel-page slots split a packed row
+``mla_page_slots``       computes kernel-page slots for split token caches
+``dsa_layers``           builds ``KimiK3DSAAttention`` in Kimi K3's decoder
+                         and MTP layers, with one model-level top-k buffer
+``dsa_weights``          loads the indexer checkpoint names in Kimi K3's
+                         ``load_weights`` (target and MTP)
+``dsa_post_load``        packs the DSA projections after loading
+=======================  =====================================================
+
 The patches target 0.33.0's internals, so :func:`register` refuses any other
 vLLM: a silently half-applied series would serve a wrong model.
 """
