@@ -1,0 +1,84 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Builders of the Kimi K3.1 DSA layer tests: a ``KimiK3DSAAttention`` or a
+``KimiK3DSAIndexer`` with the model's constructor arguments, on the session's
+real engine configuration (``dsa_layer_env``, ``tests/model/conftest.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+import vllm.models.kimi_k3.nvidia.dsa as D
+
+TOPK = 128  # the tiny dsa_config's index_topk
+
+
+def topk_buffer(rows: int = 256) -> torch.Tensor:
+    return torch.full((rows, TOPK), -1, dtype=torch.int32)
+
+
+def build(env, text_config=None, prefix: str | None = None, **kwargs: Any):
+    """A KimiK3DSAAttention with the model's constructor arguments."""
+    config = text_config if text_config is not None else env.text_config()
+    kwargs.setdefault("topk_indices_buffer", topk_buffer())
+    return D.KimiK3DSAAttention(
+        config=config,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+        q_lora_rank=config.q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank,
+        cache_config=env.vllm_config.cache_config,
+        quant_config=None,
+        prefix=prefix or env.prefix(),
+        **kwargs,
+    )
+
+
+def with_dsa(config, **changes: Any):
+    """``config`` whose dsa_config has ``changes``, past the config-time rules
+    (so the layer's own validations are what is tested)."""
+    config.dsa_config = dataclasses.replace(config.dsa_config, **changes)
+    return config
+
+
+def build_indexer(env, **overrides: Any):
+    kwargs: dict[str, Any] = dict(
+        vllm_config=env.vllm_config,
+        hidden_size=256,
+        index_q_input_size=1536,
+        index_head_dim=128,
+        index_num_heads=32,
+        index_topk=TOPK,
+        rms_norm_eps=1e-5,
+        index_rope_dim=0,
+        index_k_norm_type="layernorm",
+        cache_config=env.vllm_config.cache_config,
+        topk_indices_buffer=topk_buffer(),
+        prefix=env.prefix() + ".dsa_indexer",
+    )
+    kwargs.update(overrides)
+    return D.KimiK3DSAIndexer(**kwargs)
+
+
+def fill_random(layer) -> None:
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.uniform_(-1, 1)
+
+
+def cpu_post_load(layer) -> None:
+    """vLLM's post-load step of the unquantized linears on a CPU platform,
+    with the weight repacking off (``_cpu_skip_gemm_dispatch``, as vLLM does
+    for MLA's kv_b_proj): the linears then run F.linear on their weights. On
+    CUDA this step leaves unquantized weights alone."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    for module in layer.modules():
+        if isinstance(module, LinearBase):
+            module._cpu_skip_gemm_dispatch = True
+            module.quant_method.process_weights_after_loading(module)
