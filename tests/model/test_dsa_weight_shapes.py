@@ -21,24 +21,21 @@ build its fp8 block-scaled linear.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import torch
+from model_builders import MTP_LAYER, build, load
 
 from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
     CHECKPOINT_FILE,
     TINY_DSA_CONFIG,
     TINY_FULL_ATTN_LAYERS,
-    TINY_KDA_LAYERS,
     tiny_text_config,
     write_tiny_checkpoint,
 )
 
 Shape = tuple[int, ...]
 
-NUM_LAYERS = len(TINY_KDA_LAYERS) + len(TINY_FULL_ATTN_LAYERS)
-MTP_LAYER = NUM_LAYERS  # 0-indexed id of the tiny checkpoint's MTP layer
 DSA_LAYER = TINY_FULL_ATTN_LAYERS[-1] - 1  # 0-indexed
 
 _TEXT = tiny_text_config()
@@ -49,38 +46,6 @@ IDX_DIM: int = TINY_DSA_CONFIG["index_head_dim"]
 IDX_HEADS: int = TINY_DSA_CONFIG["index_num_heads"]
 WQ_B: Shape = (IDX_HEADS * IDX_DIM, Q_LORA)
 BLOCK = 128
-
-
-class _NoCudaStream:
-    """Placeholder for ``torch.cuda.Stream()`` (never used without a forward)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
-def build(env, kind: str = "lm") -> torch.nn.Module:
-    """The real top-level class (``lm``: KimiLinearForCausalLM, ``mtp``:
-    KimiK3MTP), built as vLLM's loader builds it."""
-    from vllm.config import set_current_vllm_config
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    env.monkeypatch.setattr(torch.cuda, "Stream", _NoCudaStream)
-    with (
-        set_current_vllm_config(env.vllm_config),
-        set_default_torch_dtype(torch.bfloat16),
-    ):
-        if kind == "lm":
-            from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
-
-            return KimiLinearForCausalLM(vllm_config=env.vllm_config, prefix="")
-        from vllm.models.kimi_k3.nvidia.mtp import KimiK3MTP
-
-        return KimiK3MTP(vllm_config=env.vllm_config, prefix="")
-
-
-def load(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> set[str]:
-    with torch.no_grad():
-        return model.load_weights(iter(list(tensors.items())))
 
 
 @pytest.fixture(scope="module")
