@@ -17,6 +17,9 @@ D = 128
 SPLITS = [1536, 512, 64, 128, 32]
 EPS = 1e-5
 
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels)"
+)
 requires_kernels = pytest.mark.skipif(
     not torch.cuda.is_available() or not extension_available(),
     reason="needs a CUDA GPU and the vllm._kimi_k3_C extension",

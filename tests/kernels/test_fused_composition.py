@@ -10,8 +10,8 @@ same caches and the same outputs, at Kimi K3.1 dimensions on one TP-8 rank.
 
 import pytest
 import torch
+from dsa_gpu_utils import requires_kernels
 
-from vllm.models.kimi_k3.nvidia.dsa_ops._extension import extension_available
 from vllm.models.kimi_k3.nvidia.dsa_ops.formats import fp8_ds_mla_entry
 
 Q_LORA, KV_LORA, ROPE, INDEX_DIM, INDEX_HEADS = 1536, 512, 64, 128, 32
@@ -19,13 +19,7 @@ LOCAL_HEADS, QK_HEAD = 12, 192  # 96 heads at TP 8, nope 128 + rope 64
 HIDDEN, BLOCK, EPS, TOPK = 2048, 64, 1e-5, 2048
 SENTINEL = 0xA5
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(
-        not extension_available(), reason="vllm._kimi_k3_C is not built"
-    ),
-]
+pytestmark = [pytest.mark.gpu, requires_kernels]
 
 
 def _slots(num_tokens: int, num_blocks: int, gen: torch.Generator) -> torch.Tensor:

@@ -8,12 +8,9 @@ import math
 
 import pytest
 import torch
+from dsa_gpu_utils import requires_cuda
 
 from vllm.models.kimi_k3.nvidia.dsa_ops.index_rope import index_rope, index_rope_ref
-
-requires_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels)"
-)
 
 
 def rope_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> torch.Tensor:

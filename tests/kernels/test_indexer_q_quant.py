@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dsa_gpu_utils import requires_cuda
 
 from vllm.models.kimi_k3.nvidia.dsa_ops.formats import (
     e2m1_decode,
@@ -34,10 +35,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # Kimi K3.1: 32 indexer heads of 128, softmax scale 128**-0.5, head scale 32**-0.5.
 HEAD_DIM = 128
 WEIGHT_SCALE = HEAD_DIM**-0.5 * 32**-0.5
-
-requires_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels)"
-)
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
