@@ -205,88 +205,90 @@ def test_force_wrapper_env_keeps_upstream_ops(dsa_layer_env, extension, monkeypa
     _assert_declined(layer, _snapshot(layer))
 
 
-def test_pack_declines_under_dcp(dsa_layer_env, extension):
-    layer = build(dsa_layer_env)
+class _QuantizedMethod:
+    """Any linear method that is not ``UnquantizedLinearMethod``."""
+
+
+def _set_dcp(layer, monkeypatch) -> None:
     # DCP groups do not exist on one rank; the layer reads the indexer's size.
     layer.dsa_indexer.dcp_world_size = 2
-    assert layer.fused_forward_blockers() == ["decode context parallelism"]
-    _assert_declined(layer, _snapshot(layer))
 
 
-def test_pack_declines_without_q_lora(dsa_layer_env, extension):
-    layer = build(dsa_layer_env, dsa_layer_env.text_config(q_lora_rank=None))
-    assert layer.fused_forward_blockers() == ["no q-LoRA"]
-    _assert_declined(layer, None)
-
-
-def test_pack_declines_with_rope(dsa_layer_env, extension):
-    layer = build(dsa_layer_env, dsa_layer_env.text_config(mla_use_nope=False))
-    assert layer.fused_forward_blockers() == ["rope (not NoPE)"]
-    _assert_declined(layer, _snapshot(layer))
-
-
-def test_pack_declines_without_output_gate(dsa_layer_env, extension):
-    layer = build(dsa_layer_env, dsa_layer_env.text_config(mla_use_output_gate=False))
-    assert not hasattr(layer, "g_proj") and layer.mla_attn.g_proj is None
-    assert layer.fused_forward_blockers() == ["no output gate"]
-    _assert_declined(layer, _snapshot(layer))
-
-
-def test_pack_declines_without_fp8_ds_mla(dsa_layer_env, extension):
-    layer = build(dsa_layer_env)
+def _set_cache_dtype_auto(layer, monkeypatch) -> None:
     layer.mla_attn.mla_attn.kv_cache_dtype = "auto"
-    assert layer.fused_forward_blockers() == ["kv cache dtype is not fp8_ds_mla"]
-    _assert_declined(layer, _snapshot(layer))
 
 
-def test_pack_declines_with_hisparse(dsa_layer_env, extension):
-    layer = build(dsa_layer_env)
+def _set_hisparse(layer, monkeypatch) -> None:
     layer.mla_attn.mla_attn.hisparse_cache = object()
-    assert layer.fused_forward_blockers() == ["HiSparse"]
-    _assert_declined(layer, _snapshot(layer))
 
 
-def test_pack_declines_when_weights_pre_processed(
-    dsa_layer_env, extension, monkeypatch
-):
-    layer = build(dsa_layer_env)
+def _set_pre_processed(layer, monkeypatch) -> None:
     monkeypatch.setattr(D, "is_weights_pre_processed", lambda: True)
-    assert layer.fused_forward_blockers() == ["weights pre-processed"]
+
+
+def _set_norm_eps(layer, monkeypatch) -> None:
+    layer.q_a_layernorm.variance_epsilon = 1e-6
+
+
+def _set_quantized(layer, monkeypatch) -> None:
+    layer.dsa_indexer.wq_index.quant_method = _QuantizedMethod()
+
+
+# A condition set on a built layer -> the one reason the fused forward gives.
+DECLINED_AFTER_BUILD = [
+    pytest.param(_set_dcp, "decode context parallelism", id="dcp"),
+    pytest.param(
+        _set_cache_dtype_auto, "kv cache dtype is not fp8_ds_mla", id="not-fp8-ds-mla"
+    ),
+    pytest.param(_set_hisparse, "HiSparse", id="hisparse"),
+    pytest.param(_set_pre_processed, "weights pre-processed", id="pre-processed"),
+    pytest.param(_set_norm_eps, "norm eps differ", id="norm-eps"),
+    pytest.param(_set_quantized, "quantized projections", id="quantized"),
+]
+
+
+@pytest.mark.parametrize(("set_condition", "blocker"), DECLINED_AFTER_BUILD)
+def test_pack_declines(dsa_layer_env, extension, monkeypatch, set_condition, blocker):
+    layer = build(dsa_layer_env)
+    assert layer.fused_forward_blockers() == []
+    set_condition(layer, monkeypatch)
+    assert layer.fused_forward_blockers() == [blocker]
     _assert_declined(layer, _snapshot(layer))
 
 
-def test_pack_declines_when_weights_offloaded(dsa_layer_env, extension, monkeypatch):
-    offload = dsa_layer_env.vllm_config.offload_config
-    monkeypatch.setattr(offload.uva, "cpu_offload_gb", 4)
+# Text-config changes -> the one reason (q-LoRA off also leaves nothing to
+# pack, so no weight snapshot).
+DECLINED_BY_CONFIG = [
+    pytest.param({"q_lora_rank": None}, "no q-LoRA", id="no-q-lora"),
+    pytest.param({"mla_use_nope": False}, "rope (not NoPE)", id="rope"),
+    pytest.param({"mla_use_output_gate": False}, "no output gate", id="no-gate"),
+]
+
+
+@pytest.mark.parametrize(("changes", "blocker"), DECLINED_BY_CONFIG)
+def test_pack_declines_for_the_config(dsa_layer_env, extension, changes, blocker):
+    layer = build(dsa_layer_env, dsa_layer_env.text_config(**changes))
+    assert layer.fused_forward_blockers() == [blocker]
+    if "mla_use_output_gate" in changes:
+        assert not hasattr(layer, "g_proj") and layer.mla_attn.g_proj is None
+    snapshot = None if changes.get("q_lora_rank", 1) is None else _snapshot(layer)
+    _assert_declined(layer, snapshot)
+
+
+@pytest.mark.parametrize(
+    ("offload", "value"),
+    [("uva.cpu_offload_gb", 4), ("prefetch.offload_group_size", 2)],
+    ids=["uva", "prefetch"],
+)
+def test_pack_declines_when_weights_offloaded(
+    dsa_layer_env, extension, monkeypatch, offload, value
+):
+    group, name = offload.split(".")
+    config = getattr(dsa_layer_env.vllm_config.offload_config, group)
+    monkeypatch.setattr(config, name, value)
     layer = build(dsa_layer_env)
     assert layer.weights_offloaded
     assert layer.fused_forward_blockers() == ["weights offloaded"]
-    _assert_declined(layer, _snapshot(layer))
-
-
-def test_pack_declines_when_prefetch_offloaded(dsa_layer_env, extension, monkeypatch):
-    offload = dsa_layer_env.vllm_config.offload_config
-    monkeypatch.setattr(offload.prefetch, "offload_group_size", 2)
-    layer = build(dsa_layer_env)
-    assert layer.weights_offloaded
-    _assert_declined(layer, _snapshot(layer))
-
-
-def test_pack_declines_when_norm_eps_differ(dsa_layer_env, extension):
-    layer = build(dsa_layer_env)
-    layer.q_a_layernorm.variance_epsilon = 1e-6
-    assert layer.fused_forward_blockers() == ["norm eps differ"]
-    _assert_declined(layer, _snapshot(layer))
-
-
-def test_pack_declines_with_quantized_linear(dsa_layer_env, extension):
-    layer = build(dsa_layer_env)
-
-    class QuantizedMethod:  # not an UnquantizedLinearMethod
-        pass
-
-    layer.dsa_indexer.wq_index.quant_method = QuantizedMethod()
-    assert layer.fused_forward_blockers() == ["quantized projections"]
     _assert_declined(layer, _snapshot(layer))
 
 
