@@ -179,7 +179,6 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
     """``_fused_attention`` in a dummy run, with the prologue, the indexer
     scoring and the sparse MLA op recorded: the packed GEMMs give exactly
     what the six unpacked linears give, in the order the kernels take."""
-    import sys
     import types
 
     from vllm.forward_context import set_forward_context
@@ -205,7 +204,7 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
     fused_prologue = types.ModuleType("fused_prologue")
     fused_prologue.dsa_fused_prologue = prologue
     fused_prologue.mxfp4_fused_prologue = None
-    monkeypatch.setitem(sys.modules, f"{D.OPS_PACKAGE}.fused_prologue", fused_prologue)
+    monkeypatch.setattr(D, "fused_prologue", fused_prologue)
     monkeypatch.setattr(indexer, "score", lambda *args: calls.setdefault("score", args))
     impl = layer.mla_attn.mla_attn.impl
     monkeypatch.setattr(

@@ -69,6 +69,13 @@ from vllm.models.kimi_k3.nvidia.dsa_low_latency import (
     low_latency_linear,
     request_low_latency_warmup,
 )
+from vllm.models.kimi_k3.nvidia.dsa_ops import _extension as dsa_extension
+from vllm.models.kimi_k3.nvidia.dsa_ops import (
+    fused_prologue,
+    index_rope,
+    indexer_k_insert,
+    indexer_q_quant,
+)
 from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import (
     DEEPGEMM_INDEX_HEADS,
     fused_prologue_unsupported,
@@ -85,17 +92,6 @@ from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.attention.backends.mla import indexer as v32_indexer
 
 logger = init_logger(__name__)
-
-# Our kernels' python entry points (the ops layer). Imported lazily: the
-# package must import where they are not built or not importable, and the
-# wrapper path needs none of them.
-OPS_PACKAGE = "vllm.models.kimi_k3.nvidia.dsa_ops"
-
-
-def _ops(module: str) -> Any:
-    """``OPS_PACKAGE.<module>``."""
-    return importlib.import_module(f"{OPS_PACKAGE}.{module}")
-
 
 # DeepGEMM's indexer MQA-logits kernels take exactly 32 or 64 heads.
 
@@ -118,37 +114,19 @@ def padded_index_num_heads(index_num_heads: int) -> int:
 
 @functools.cache
 def kimi_k3_extension_available() -> bool:
-    """Whether ``vllm._kimi_k3_C`` (our CUDA kernels) is built and loads, and
-    the python entry points of the fused forward import.
+    """Whether ``vllm._kimi_k3_C`` (our CUDA kernels) is built and loads.
 
     Without it (a CPU machine, a build without nvcc) the fused forward does not
     switch on and the wrapper path serves with upstream ops only.
     """
-    try:
-        extension = _ops("_extension")
-        prologue = _ops("fused_prologue")
-        q_quant = _ops("indexer_q_quant")
-    except ImportError:
-        return False
-    entry_points = (
-        getattr(prologue, "dsa_fused_prologue", None),
-        getattr(prologue, "mxfp4_fused_prologue", None),
-        getattr(q_quant, "indexer_q_quant_fold_weights", None),
-        getattr(q_quant, "mxfp4_q_quant", None),
-    )
-    if any(fn is None for fn in entry_points):
-        return False
-    return bool(extension.extension_available())
+    return bool(dsa_extension.extension_available())
 
 
 def _extension_loaded() -> bool:
-    """Whether ``vllm._kimi_k3_C`` loads (the kernels alone, without the
-    fused-forward entry points that :func:`kimi_k3_extension_available` also
-    requires)."""
-    try:
-        return bool(_ops("_extension").extension_available())
-    except ImportError:
-        return False
+    """Whether ``vllm._kimi_k3_C`` loads (read each time, for the key insert's
+    selection; :func:`kimi_k3_extension_available` caches it for the fused
+    forward)."""
+    return bool(dsa_extension.extension_available())
 
 
 def fused_k_insert_blockers(
@@ -612,7 +590,6 @@ class KimiK3DSAAttention(nn.Module):
     def _fused_attention(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Packed GEMM, the fused prologue (norms, both cache inserts, top-k
         fill), packed query GEMM, indexer scoring, sparse MLA."""
-        fused_prologue = _ops("fused_prologue")
         assert self.q_lora_rank is not None and self._packed is not None
         indexer = self.dsa_indexer
         attn = cast(Any, self.mla_attn.mla_attn)
@@ -875,7 +852,7 @@ class KimiK3DSAIndexer(nn.Module):
         pairing. ``index_q [T, H, D]``; ``index_k [T, D]``, already normed
         (training order: norm, then rope).
         """
-        _ops("index_rope").index_rope(
+        index_rope.index_rope(
             index_q,
             index_k,
             positions.view(-1),
@@ -914,7 +891,7 @@ class KimiK3DSAIndexer(nn.Module):
         # Dummy / profiling run: the op leaves the cache and buffer alone too.
         if not isinstance(attn_metadata, dict) or kv_cache.numel() == 0:
             return
-        k_insert = _ops("indexer_k_insert")
+        k_insert = indexer_k_insert
         metadata = attn_metadata[self.k_cache.prefix]
         assert isinstance(metadata, v32_indexer.DeepseekV32IndexerMetadata)
         assert self.topk_indices_buffer is not None
@@ -983,7 +960,7 @@ class KimiK3DSAIndexer(nn.Module):
     ) -> torch.Tensor:
         """Top-k of the current rows into ``topk_indices_buffer``; ``index_k`` is
         None when the key was already inserted (``use_fused_k_insert``)."""
-        q_quant_ops = _ops("indexer_q_quant")
+        q_quant_ops = indexer_q_quant
         weight_scale = self.index_softmax_scale * self.indexer_weight_scale
         q_scale: torch.Tensor | None = None
         if self.use_fp4_cache:
