@@ -129,7 +129,7 @@ def test_plan_with_dense_draft_and_spec_tokens(capsys, tmp_path):
 def test_plan_matches_the_engine_block_size(capsys, vllm_config_for, tmp_path):
     """On the tiny checkpoint the plan's block is the block the engine's
     sizing (packed_dsa_block_size on the real VllmConfig) gives."""
-    from vllm.models.kimi_k3.common.dsa_cache import (
+    from vllm.models.kimi_k3.common.dsa_block_size import (
         kda_state_bytes_for,
         packed_dsa_block_size,
         target_mla_bytes_per_token,

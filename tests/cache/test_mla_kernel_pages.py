@@ -14,12 +14,14 @@ import pytest
 import torch
 from k3_1_specs import FULL_ATTN, kimi_k3_1_specs
 
+from vllm.models.kimi_k3.common.dsa_block_size import (
+    kda_state_bytes,
+    packed_block_size_from_bytes,
+)
 from vllm.models.kimi_k3.common.dsa_cache import (
     KimiK3FlashMLASparseBackend,
     KimiK3IndexerBackend,
     is_kimi_k3_dsa_backend,
-    kda_state_bytes,
-    packed_block_size_from_bytes,
 )
 from vllm.models.kimi_k3.common.dsa_config import MLA_KERNEL_PAGES_ENV
 from vllm.models.kimi_k3.common.dsa_pages import (

@@ -10,11 +10,11 @@ import pytest
 import torch
 from k3_1_specs import kimi_k3_1_specs
 
-from vllm.models.kimi_k3.common.dsa_cache import (
-    KimiK3IndexerBackend,
+from vllm.models.kimi_k3.common.dsa_block_size import (
     kda_state_bytes,
     packed_block_size_from_bytes,
 )
+from vllm.models.kimi_k3.common.dsa_cache import KimiK3IndexerBackend
 from vllm.models.kimi_k3.common.dsa_kv_plan import main
 
 TP = 8

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from k3_1_specs import FULL_ATTN, kimi_k3_1_specs
 
-from vllm.models.kimi_k3.common import dsa_cache
-from vllm.models.kimi_k3.common.dsa_cache import (
+from vllm.models.kimi_k3.common import dsa_block_size, dsa_cache
+from vllm.models.kimi_k3.common.dsa_block_size import (
     _PD_REFERENCE_TP,
     kda_state_bytes,
     packed_block_bytes,
@@ -314,7 +314,7 @@ def test_block_size_seam_on_the_real_config(vllm_config_for):
 def test_block_size_seam_leaves_other_models_alone(vllm_config_for):
     cfg = vllm_config_for(dsa=False)
     block = cfg.cache_config.block_size
-    assert dsa_cache.apply_packed_dsa_block_size(cfg, [64]) is None
+    assert dsa_block_size.apply_packed_dsa_block_size(cfg, [64]) is None
     assert cfg.cache_config.block_size == block
 
 

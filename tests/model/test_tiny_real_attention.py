@@ -330,14 +330,16 @@ def test_plan_equals_the_engine_sizing(
     monkeypatch: pytest.MonkeyPatch,
     tp: int,
 ) -> None:
-    from vllm.models.kimi_k3.common.dsa_cache import (
+    from vllm.models.kimi_k3.common.dsa_block_size import (
         dense_mla_draft_bytes_per_token,
-        indexer_cache_entry_bytes,
         kda_state_bytes_for,
-        kimi_k3_indexer_uses_fp4,
         packed_dsa_block_size,
         packed_row_bytes_per_token,
         target_mla_bytes_per_token,
+    )
+    from vllm.models.kimi_k3.common.dsa_cache import (
+        indexer_cache_entry_bytes,
+        kimi_k3_indexer_uses_fp4,
     )
 
     cfg = engine_configs[tp]

@@ -12,7 +12,7 @@ state, from one MLA page of 576 B/token (its spec lacks
 it ignores the indexer page and a dense MLA draft's pages; then it pads every
 KDA state to that page. Kimi K3.1's block row holds all 24 DSA layers' MLA and
 indexer pages (plus a draft's) and, in the state groups, several KDA states at
-their own size. :func:`~vllm.models.kimi_k3.common.dsa_cache.packed_dsa_block_size`
+their own size. :func:`~vllm.models.kimi_k3.common.dsa_block_size.packed_dsa_block_size`
 sizes that row, TP-divisibly.
 
 It also refuses, before the KV cache is allocated, a backend that would have
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.models.kimi_k3.common.dsa_cache import (
+from vllm.models.kimi_k3.common.dsa_block_size import (
     apply_packed_dsa_block_size,
     backend_kernel_block_alignments,
     check_token_cache_splits,
