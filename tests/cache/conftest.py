@@ -42,3 +42,40 @@ def vllm_config_for(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., A
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def packed_kimi_k3_1(vllm_config_for) -> Callable[[int], tuple[int, int, Any]]:
+    """``packed_kimi_k3_1(num_blocks)``: Kimi K3.1's TP 8 caches planned by
+    vLLM 0.33.0's real packer and planner for a budget of ``num_blocks``
+    blocks and change: (block size, budget, ``KVCacheConfig``)."""
+    from k3_1_specs import kimi_k3_1_specs
+
+    from vllm.models.kimi_k3.common.dsa_block_size import (
+        kda_state_bytes,
+        packed_block_size_from_bytes,
+    )
+    from vllm.v1.core.kv_cache_planning import (
+        _get_packed_kv_cache_groups,
+        get_kv_cache_config_from_groups,
+    )
+
+    tp = 8
+    block = packed_block_size_from_bytes(
+        24 * 788, 23, kda_state_bytes(96, 128, 4, tp), 128, tp
+    )
+
+    def plan(num_blocks: int) -> tuple[int, int, Any]:
+        # The planner only reads the layout and the block overrides from the
+        # config; the tiny engine config stands in for the real model's.
+        cfg = vllm_config_for()
+        saved = cfg.cache_config.kv_cache_layout
+        cfg.cache_config.kv_cache_layout = "BLHNC"
+        try:
+            groups = _get_packed_kv_cache_groups(cfg, kimi_k3_1_specs(block, tp))
+            budget = num_blocks * 19_396_608 + 12_345
+            return block, budget, get_kv_cache_config_from_groups(cfg, groups, budget)
+        finally:
+            cfg.cache_config.kv_cache_layout = saved
+
+    return plan

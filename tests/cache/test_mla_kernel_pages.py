@@ -12,12 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from k3_1_specs import FULL_ATTN, kimi_k3_1_specs
+from k3_1_specs import FULL_ATTN
 
-from vllm.models.kimi_k3.common.dsa_block_size import (
-    kda_state_bytes,
-    packed_block_size_from_bytes,
-)
 from vllm.models.kimi_k3.common.dsa_cache import (
     KimiK3FlashMLASparseBackend,
     KimiK3IndexerBackend,
@@ -35,28 +31,12 @@ PAGE = MLA_KERNEL_PAGE_TOKENS
 
 
 @pytest.fixture
-def allocated(vllm_config_for):
+def allocated(packed_kimi_k3_1):
     """Kimi K3.1's TP 8 caches through the real planner and allocator."""
-    from vllm.v1.core.kv_cache_planning import (
-        _get_packed_kv_cache_groups,
-        get_kv_cache_config_from_groups,
-    )
     from vllm.v1.kv_cache_interface import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    block = packed_block_size_from_bytes(
-        24 * 788, 23, kda_state_bytes(96, 128, 4, TP), 128, TP
-    )
-    cfg = vllm_config_for()
-    saved = cfg.cache_config.kv_cache_layout
-    cfg.cache_config.kv_cache_layout = "BLHNC"
-    try:
-        groups = _get_packed_kv_cache_groups(cfg, kimi_k3_1_specs(block, TP))
-        kv_cache_config = get_kv_cache_config_from_groups(
-            cfg, groups, NUM_BLOCKS * 19_396_608 + 777
-        )
-    finally:
-        cfg.cache_config.kv_cache_layout = saved
+    block, _, kv_cache_config = packed_kimi_k3_1(NUM_BLOCKS)
     caches = allocate_kv_cache(
         kv_cache_config, torch.device("cpu"), KVCacheLayout.BLHNC
     )

@@ -8,12 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from k3_1_specs import kimi_k3_1_specs
 
-from vllm.models.kimi_k3.common.dsa_block_size import (
-    kda_state_bytes,
-    packed_block_size_from_bytes,
-)
 from vllm.models.kimi_k3.common.dsa_cache import KimiK3IndexerBackend
 from vllm.models.kimi_k3.common.dsa_kv_plan import main
 
@@ -21,33 +16,14 @@ TP = 8
 
 
 @pytest.fixture
-def packed_kimi_k3_1(vllm_config_for, capsys):
-    from vllm.v1.core.kv_cache_planning import (
-        _get_packed_kv_cache_groups,
-        get_kv_cache_config_from_groups,
-    )
-
-    block = packed_block_size_from_bytes(
-        24 * 788, 23, kda_state_bytes(96, 128, 4, TP), 128, TP
-    )
-    # The planner only reads the layout and the block overrides from the
-    # config; the tiny engine config stands in for the real model's.
-    cfg = vllm_config_for()
-    saved = cfg.cache_config.kv_cache_layout
-    cfg.cache_config.kv_cache_layout = "BLHNC"
-    try:
-        groups = _get_packed_kv_cache_groups(cfg, kimi_k3_1_specs(block, TP))
-        budget = 8 * 19_396_608 + 12_345  # eight blocks and change
-        kv_cache_config = get_kv_cache_config_from_groups(cfg, groups, budget)
-    finally:
-        cfg.cache_config.kv_cache_layout = saved
-    return block, budget, kv_cache_config
+def planned(packed_kimi_k3_1):
+    return packed_kimi_k3_1(8)
 
 
-def test_plan_counts_the_planners_blocks(packed_kimi_k3_1, capsys):
+def test_plan_counts_the_planners_blocks(planned, capsys):
     import json
 
-    block, budget, kv_cache_config = packed_kimi_k3_1
+    block, budget, kv_cache_config = planned
     capsys.readouterr()
     assert main(
         ["--tp", str(TP), "--kv-budget", str(budget), "--max-model-len", "4096",
@@ -61,13 +37,13 @@ def test_plan_counts_the_planners_blocks(packed_kimi_k3_1, capsys):
     assert strides == {plan["block_bytes"]}
 
 
-def test_kernel_pages_of_the_allocated_indexer_cache(packed_kimi_k3_1):
+def test_kernel_pages_of_the_allocated_indexer_cache(planned):
     from vllm.plugins.kimi_k3_dsa import kernel_block_split
     from vllm.v1.kv_cache_interface import KVCacheLayout
     from vllm.v1.worker.utils import AttentionGroup, allocate_kv_cache
 
     kernel_block_split.apply()
-    block, _, kv_cache_config = packed_kimi_k3_1
+    block, _, kv_cache_config = planned
     caches = allocate_kv_cache(
         kv_cache_config, torch.device("cpu"), KVCacheLayout.BLHNC
     )

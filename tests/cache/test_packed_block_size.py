@@ -333,22 +333,38 @@ def _seam_with_backends(cfg, monkeypatch, backends):
         current_platform.update_block_size_for_backend(cfg)
 
 
+def _seam_block_size(vllm_config_for, monkeypatch, backends) -> int:
+    """The block size the seam sets with ``backends``; the session's config is
+    restored afterwards."""
+    cfg = vllm_config_for()
+    cache_config = cfg.cache_config
+    saved = (cache_config.block_size, cache_config.mamba_page_size_padded)
+    try:
+        _seam_with_backends(cfg, monkeypatch, backends)
+        return cache_config.block_size
+    finally:
+        cache_config.block_size, cache_config.mamba_page_size_padded = saved
+
+
+def _stub_sm10x(monkeypatch) -> None:
+    """Stub: this CPU answers "SM10x" to the platform's capability query."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(
+        current_platform,
+        "is_device_capability_family",
+        lambda family, device_id=0: family == 100,
+    )
+
+
 def test_seam_accepts_flashmla_sparse_multiple_of_64(vllm_config_for, monkeypatch):
     """Off SM10x FlashMLA sparse takes any multiple of 64: no split of the
     MLA cache is needed, the packed block stands."""
     from vllm.models.kimi_k3.common.dsa_cache import KimiK3IndexerBackend
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
 
-    cfg = vllm_config_for()
-    cache_config = cfg.cache_config
-    saved = (cache_config.block_size, cache_config.mamba_page_size_padded)
-    try:
-        _seam_with_backends(
-            cfg, monkeypatch, [FlashMLASparseBackend, KimiK3IndexerBackend]
-        )
-        assert cache_config.block_size == 2048
-    finally:
-        cache_config.block_size, cache_config.mamba_page_size_padded = saved
+    backends = [FlashMLASparseBackend, KimiK3IndexerBackend]
+    assert _seam_block_size(vllm_config_for, monkeypatch, backends) == 2048
 
 
 def test_seam_refuses_a_split_of_the_mla_cache(vllm_config_for, monkeypatch):
@@ -357,28 +373,16 @@ def test_seam_refuses_a_split_of_the_mla_cache(vllm_config_for, monkeypatch):
     MLA cache through manager slots, so the packed row cannot be split for it:
     refused before the KV cache is allocated."""
     from vllm.models.kimi_k3.common.dsa_cache import KimiK3IndexerBackend
-    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
 
-    # Stub: this CPU answers "SM10x".
-    monkeypatch.setattr(
-        current_platform,
-        "is_device_capability_family",
-        lambda family, device_id=0: family == 100,
-    )
-    cfg = vllm_config_for()
-    cache_config = cfg.cache_config
-    saved = (cache_config.block_size, cache_config.mamba_page_size_padded)
-    try:
-        with pytest.raises(
-            NotImplementedError,
-            match="FLASHMLA_SPARSE.*64-token.*Only the Kimi K3.1 DSA layers' own",
-        ):
-            _seam_with_backends(
-                cfg, monkeypatch, [FlashMLASparseBackend, KimiK3IndexerBackend]
-            )
-    finally:
-        cache_config.block_size, cache_config.mamba_page_size_padded = saved
+    _stub_sm10x(monkeypatch)
+    with pytest.raises(
+        NotImplementedError,
+        match="FLASHMLA_SPARSE.*64-token.*Only the Kimi K3.1 DSA layers' own",
+    ):
+        _seam_block_size(
+            vllm_config_for, monkeypatch, [FlashMLASparseBackend, KimiK3IndexerBackend]
+        )
 
 
 def test_seam_accepts_the_dsa_mla_split_on_sm10x(vllm_config_for, monkeypatch):
@@ -389,21 +393,7 @@ def test_seam_accepts_the_dsa_mla_split_on_sm10x(vllm_config_for, monkeypatch):
         KimiK3FlashMLASparseBackend,
         KimiK3IndexerBackend,
     )
-    from vllm.platforms import current_platform
 
-    # Stub: this CPU answers "SM10x".
-    monkeypatch.setattr(
-        current_platform,
-        "is_device_capability_family",
-        lambda family, device_id=0: family == 100,
-    )
-    cfg = vllm_config_for()
-    cache_config = cfg.cache_config
-    saved = (cache_config.block_size, cache_config.mamba_page_size_padded)
-    try:
-        _seam_with_backends(
-            cfg, monkeypatch, [KimiK3FlashMLASparseBackend, KimiK3IndexerBackend]
-        )
-        assert cache_config.block_size == 2048
-    finally:
-        cache_config.block_size, cache_config.mamba_page_size_padded = saved
+    _stub_sm10x(monkeypatch)
+    backends = [KimiK3FlashMLASparseBackend, KimiK3IndexerBackend]
+    assert _seam_block_size(vllm_config_for, monkeypatch, backends) == 2048
