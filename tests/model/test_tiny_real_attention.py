@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 import torch
+from layer_builders import build
 
 safetensors = pytest.importorskip("safetensors")
 
@@ -231,18 +232,9 @@ def test_dsa_layer_shapes_per_rank(
         monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: tp)
     config = dsa_layer_env.text_config(**T.real_attention_overrides())
     topk = config.dsa_config.index_topk
-    layer = D.KimiK3DSAAttention(
-        config=config,
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        qk_nope_head_dim=config.qk_nope_head_dim,
-        qk_rope_head_dim=config.qk_rope_head_dim,
-        v_head_dim=config.v_head_dim,
-        q_lora_rank=config.q_lora_rank,
-        kv_lora_rank=config.kv_lora_rank,
-        cache_config=dsa_layer_env.vllm_config.cache_config,
-        quant_config=None,
-        prefix=dsa_layer_env.prefix(),
+    layer = build(
+        dsa_layer_env,
+        config,
         topk_indices_buffer=torch.full((16, topk), -1, dtype=torch.int32),
     )
     local = HEADS // tp

@@ -511,7 +511,9 @@ def check_dsa_parallelism(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
     :data:`EXPERIMENTAL_DCP_ENV` opts in; then each rank's top-k is merged by
     vLLM's DCP merge, which takes only a few top-k widths and needs CuTe DSL."""
     dcp = vllm_config.parallel_config.decode_context_parallel_size
-    if dcp > 1 and not experimental_dcp():
+    if dcp <= 1:
+        return
+    if not experimental_dcp():
         raise ValueError(
             f"--decode-context-parallel-size {dcp} is not supported for Kimi K3.1 "
             "DSA: on an H200 pair (vLLM 0.33.0, 2026-11-30) it produced wrong "
@@ -519,25 +521,24 @@ def check_dsa_parallelism(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
             "decode_context_parallel_size 1. Developers reproducing it can set "
             f"{EXPERIMENTAL_DCP_ENV}=1"
         )
-    if dcp > 1 and dsa.index_topk not in DCP_INDEX_TOPK_VALUES:
+    if dsa.index_topk not in DCP_INDEX_TOPK_VALUES:
         raise ValueError(
             f"--decode-context-parallel-size {dcp} needs dsa_config.index_topk in "
             f"{list(DCP_INDEX_TOPK_VALUES)} (vLLM's DCP top-k merge, "
             f"_merge_dcp_topk_global), got {dsa.index_topk}"
         )
-    if dcp > 1:
-        from vllm.platforms import current_platform
-        from vllm.utils.import_utils import has_cutedsl
+    from vllm.platforms import current_platform
+    from vllm.utils.import_utils import has_cutedsl
 
-        # The merge has no PyTorch fallback: without CuTe DSL vLLM raises on
-        # the first forward, after the weights and the cache are in place.
-        if current_platform.is_cuda() and not has_cutedsl():
-            raise ValueError(
-                f"--decode-context-parallel-size {dcp} needs CuTe DSL (the "
-                "'nvidia-cutlass-dsl' package, importable as 'cutlass'): vLLM's "
-                "DCP top-k merge (_merge_dcp_topk_global) runs only on it; "
-                "install it or serve without decode context parallelism"
-            )
+    # The merge has no PyTorch fallback: without CuTe DSL vLLM raises on the
+    # first forward, after the weights and the cache are in place.
+    if current_platform.is_cuda() and not has_cutedsl():
+        raise ValueError(
+            f"--decode-context-parallel-size {dcp} needs CuTe DSL (the "
+            "'nvidia-cutlass-dsl' package, importable as 'cutlass'): vLLM's "
+            "DCP top-k merge (_merge_dcp_topk_global) runs only on it; "
+            "install it or serve without decode context parallelism"
+        )
 
 
 def topk_indices_buffer_rows(vllm_config: VllmConfig) -> int:

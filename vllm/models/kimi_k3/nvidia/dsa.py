@@ -34,7 +34,6 @@ detection, never an ``AttributeError``):
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 from typing import Any, cast
@@ -93,8 +92,6 @@ from vllm.v1.attention.backends.mla import indexer as v32_indexer
 
 logger = init_logger(__name__)
 
-# DeepGEMM's indexer MQA-logits kernels take exactly 32 or 64 heads.
-
 
 def padded_num_heads(num_heads: int, tp_size: int) -> int:
     """``num_heads`` rounded up to a multiple of ``tp_size``."""
@@ -112,21 +109,18 @@ def padded_index_num_heads(index_num_heads: int) -> int:
     )
 
 
-@functools.cache
 def kimi_k3_extension_available() -> bool:
-    """Whether ``vllm._kimi_k3_C`` (our CUDA kernels) is built and loads.
-
-    Without it (a CPU machine, a build without nvcc) the fused forward does not
-    switch on and the wrapper path serves with upstream ops only.
-    """
-    return bool(dsa_extension.extension_available())
+    """Whether ``vllm._kimi_k3_C`` (our CUDA kernels) is built and loads, for
+    the fused forward. Without it (a CPU machine, a build without nvcc) the
+    fused forward does not switch on and the wrapper path serves with upstream
+    ops only."""
+    return dsa_extension.extension_available()
 
 
 def _extension_loaded() -> bool:
-    """Whether ``vllm._kimi_k3_C`` loads (read each time, for the key insert's
-    selection; :func:`kimi_k3_extension_available` caches it for the fused
-    forward)."""
-    return bool(dsa_extension.extension_available())
+    """The same question for the key insert's selection (a separate name so
+    that the insert and the forward can be tested apart)."""
+    return dsa_extension.extension_available()
 
 
 def fused_k_insert_blockers(
@@ -891,15 +885,14 @@ class KimiK3DSAIndexer(nn.Module):
         # Dummy / profiling run: the op leaves the cache and buffer alone too.
         if not isinstance(attn_metadata, dict) or kv_cache.numel() == 0:
             return
-        k_insert = indexer_k_insert
         metadata = attn_metadata[self.k_cache.prefix]
         assert isinstance(metadata, v32_indexer.DeepseekV32IndexerMetadata)
         assert self.topk_indices_buffer is not None
         norm = cast(KimiK3DSAIndexerKNorm, self.k_index_norm)
         insert = (
-            k_insert.mxfp4_k_norm_quant_insert
+            indexer_k_insert.mxfp4_k_norm_quant_insert
             if self.use_fp4_cache
-            else k_insert.indexer_k_norm_quant_insert
+            else indexer_k_insert.indexer_k_norm_quant_insert
         )
         insert(
             index_k,
@@ -960,15 +953,14 @@ class KimiK3DSAIndexer(nn.Module):
     ) -> torch.Tensor:
         """Top-k of the current rows into ``topk_indices_buffer``; ``index_k`` is
         None when the key was already inserted (``use_fused_k_insert``)."""
-        q_quant_ops = indexer_q_quant
         weight_scale = self.index_softmax_scale * self.indexer_weight_scale
         q_scale: torch.Tensor | None = None
         if self.use_fp4_cache:
-            q_quant, q_scale, weights = q_quant_ops.mxfp4_q_quant(
+            q_quant, q_scale, weights = indexer_q_quant.mxfp4_q_quant(
                 index_q, index_weights, weight_scale, self.padded_index_num_heads
             )
         else:
-            q_quant, weights = q_quant_ops.indexer_q_quant_fold_weights(
+            q_quant, weights = indexer_q_quant.indexer_q_quant_fold_weights(
                 index_q, index_weights, weight_scale, self.padded_index_num_heads
             )
         # Inserts the keys (unless fused) and writes the top-k into the shared

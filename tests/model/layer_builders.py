@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Builders of the Kimi K3.1 DSA layer tests: a ``KimiK3DSAAttention`` or a
-``KimiK3DSAIndexer`` with the model's constructor arguments, on the session's
-real engine configuration (``dsa_layer_env``, ``tests/model/conftest.py``)."""
+"""Builders of the Kimi K3.1 DSA layer tests (``tests/model`` and its
+``layers/`` folder): a ``KimiK3DSAAttention`` or a ``KimiK3DSAIndexer`` with the
+model's constructor arguments, on the session's real engine configuration
+(``dsa_layer_env``, ``tests/model/conftest.py``, whose folder pytest puts on
+the import path)."""
 
 from __future__ import annotations
 
