@@ -91,12 +91,13 @@ class LogRecorder:
 
 @pytest.fixture
 def record_logs(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], LogRecorder]:
-    """``record_logs(module)``: replace ``module.logger`` for the test and
-    return the recorder."""
+    """``record_logs(*modules)``: replace each module's ``logger`` with one
+    recorder for the test and return it."""
 
-    def attach(module: Any) -> LogRecorder:
+    def attach(*modules: Any) -> LogRecorder:
         recorder = LogRecorder()
-        monkeypatch.setattr(module, "logger", recorder)
+        for module in modules:
+            monkeypatch.setattr(module, "logger", recorder)
         return recorder
 
     return attach

@@ -18,6 +18,8 @@ from layer_builders import (
 )
 
 import vllm.models.kimi_k3.nvidia.dsa as D
+import vllm.models.kimi_k3.nvidia.dsa_fused as DF
+import vllm.models.kimi_k3.nvidia.dsa_indexer as DI
 import vllm.models.kimi_k3.nvidia.dsa_low_latency as LL
 
 # --------------------------------------------------------------------------
@@ -204,7 +206,7 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
     fused_prologue = types.ModuleType("fused_prologue")
     fused_prologue.dsa_fused_prologue = prologue
     fused_prologue.mxfp4_fused_prologue = None
-    monkeypatch.setattr(D, "fused_prologue", fused_prologue)
+    monkeypatch.setattr(DF, "fused_prologue", fused_prologue)
     monkeypatch.setattr(indexer, "score", lambda *args: calls.setdefault("score", args))
     impl = layer.mla_attn.mla_attn.impl
     monkeypatch.setattr(
@@ -374,7 +376,7 @@ def test_indexer_forward_dummy_run_with_index_rope(dsa_layer_env, monkeypatch):
 def test_fused_insert_needs_the_extension(dsa_layer_env, monkeypatch):
     # Without vllm._kimi_k3_C the key is normed in torch and 0.33.0's op
     # inserts it: the wrapper path with upstream ops only.
-    monkeypatch.setattr(D, "_extension_loaded", lambda: False)
+    monkeypatch.setattr(DI, "_extension_loaded", lambda: False)
     indexer = build_indexer(dsa_layer_env)
     assert not indexer.use_fused_k_insert
     import vllm.models.kimi_k3.common.dsa_cache as dsa_cache

@@ -15,7 +15,7 @@ from layer_builders import (
     fill_random,
 )
 
-import vllm.models.kimi_k3.nvidia.dsa as D
+import vllm.models.kimi_k3.nvidia.dsa_fused as DF
 
 # --------------------------------------------------------------------------
 # pack_projections
@@ -82,7 +82,7 @@ def test_pack_projections_rerun_is_noop_and_reload_refills_views(
     layer.pack_projections()
     packed = list(layer._packed)
     calls: list[Any] = []
-    monkeypatch.setattr(D, "request_low_latency_warmup", calls.append)
+    monkeypatch.setattr(DF, "request_low_latency_warmup", calls.append)
     layer.pack_projections()
     assert layer._packed[0] is packed[0] and layer._packed[1] is packed[1]
     assert calls == []
@@ -104,7 +104,7 @@ def test_pack_projections_rerun_is_noop_and_reload_refills_views(
 def test_pack_projections_requests_warmup(dsa_layer_env, extension, monkeypatch):
     calls: list[tuple[int, ...]] = []
     monkeypatch.setattr(
-        D, "request_low_latency_warmup", lambda w: calls.append(tuple(w.shape))
+        DF, "request_low_latency_warmup", lambda w: calls.append(tuple(w.shape))
     )
     layer = build(dsa_layer_env)
     layer.pack_projections()
@@ -223,7 +223,7 @@ def _set_hisparse(layer, monkeypatch) -> None:
 
 
 def _set_pre_processed(layer, monkeypatch) -> None:
-    monkeypatch.setattr(D, "is_weights_pre_processed", lambda: True)
+    monkeypatch.setattr(DF, "is_weights_pre_processed", lambda: True)
 
 
 def _set_norm_eps(layer, monkeypatch) -> None:

@@ -1,50 +1,36 @@
 # SPDX-License-Identifier: Apache-2.0
 """Kimi K3.1 DSA (DeepSeek Sparse Attention) for the kimi_k3 stack.
 
-The DSA indexer uses vLLM's own facilities (a ``DeepseekV32IndexerCache``
-subclass and ``torch.ops.vllm.sparse_attn_indexer``); the sparse MLA layers go
-through ``MultiHeadLatentAttentionWrapper`` with ``MLAModules(is_sparse=True)``.
-Checkpoints name the indexer weights ``self_attn.indexer.{wq_b, wk,
-weights_proj, k_norm}``; the module tree keeps ``self_attn.dsa_indexer.*``
-(``wq_index``, ``wkv_index`` = ``[wk | weights_proj]``, ``k_index_norm``) and
-the model's ``load_weights`` renames into it.
+The 24 full-attention layers of Kimi K3.1 keep Kimi K3's MLA projections and
+gain a lightning indexer whose top-k selects the tokens sparse MLA attends to.
+The layer goes through ``MultiHeadLatentAttentionWrapper`` with
+``MLAModules(is_sparse=True)``, so vLLM's FlashMLA sparse backend reads the
+``fp8_ds_mla`` cache and the top-k buffer.
 
 Classes:
 
-* :class:`KimiK3DSAAttention`: the MLA projections of the dense Kimi K3 MLA,
-  plus the indexer; the wrapper forward, or the fused forward after
-  :meth:`KimiK3DSAAttention.pack_projections`.
-* :class:`KimiK3DSAIndexer`: ``wq_index`` / ``wkv_index`` projections, the key
-  norm and the indexer key cache; scores through ``sparse_attn_indexer``.
-* :class:`KimiK3DSAIndexerKNorm`: the bias-full fp32 LayerNorm of the key.
+* :class:`KimiK3DSAAttention` (here): the MLA projections of the dense Kimi K3
+  MLA plus the indexer; the wrapper forward, or the fused forward
+  (:mod:`.dsa_fused`) after :meth:`KimiK3DSAAttention.pack_projections`.
+* :class:`KimiK3DSAIndexer` and :class:`KimiK3DSAIndexerKNorm`
+  (:mod:`.dsa_indexer`): the indexer's projections, key norm and key cache.
 
-What vLLM 0.33.0 cannot host, and how this module guards it (feature
-detection, never an ``AttributeError``):
-
-* ShardQ (``sparse_mla_shard_q``): 0.33.0's ``MultiHeadLatentAttentionWrapper``
-  has no ``shardq_eligible`` parameter and ``MLAAttention`` no ``use_shardq``;
-  the prefill metadata has no ``shardq_gather_indices``. The layer passes
-  ``shardq_eligible=True`` only to a wrapper whose signature accepts it, reads
-  ``use_shardq`` with ``getattr`` (False on 0.33.0), and the indexer scores
-  full rows whenever any piece is missing.
-* The specialized DCP decode top-k merge (``init_dcp_topk_merge``): absent from
-  0.33.0; ``dcp_local_topk`` is then 0, which keeps the op's generic merge
-  (``sparse_attn_indexer``'s ``_merge_dcp_topk_global``).
+What vLLM 0.33.0 cannot host is feature-detected, never an
+``AttributeError``: ShardQ (``sparse_mla_shard_q``) is requested only from a
+wrapper whose signature takes ``shardq_eligible`` (0.33.0's does not), and
+``use_shardq`` is read with ``getattr``.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from vllm.config import CacheConfig, CUDAGraphMode, VllmConfig, get_current_vllm_config
-from vllm.distributed import get_dcp_group, get_tensor_model_parallel_world_size
-from vllm.forward_context import get_forward_context
+from vllm.config import CacheConfig, get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
@@ -52,33 +38,16 @@ from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
-    UnquantizedLinearMethod,
 )
 from vllm.model_executor.layers.mla import MLAModules, MultiHeadLatentAttentionWrapper
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.rotary_embedding.common import yarn_get_mscale
-from vllm.model_executor.utils import is_weights_pre_processed
-from vllm.models.kimi_k3.common.dsa_config import (
-    FORCE_WRAPPER_ENV,
-    force_wrapper_forward,
-    topk_indices_buffer_rows,
-)
-from vllm.models.kimi_k3.nvidia.dsa_low_latency import (
-    low_latency_linear,
-    request_low_latency_warmup,
-)
-from vllm.models.kimi_k3.nvidia.dsa_ops import _extension as dsa_extension
-from vllm.models.kimi_k3.nvidia.dsa_ops import (
-    fused_prologue,
-    index_rope,
-    indexer_k_insert,
-    indexer_q_quant,
-)
-from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import (
-    DEEPGEMM_INDEX_HEADS,
-    fused_prologue_unsupported,
-    k_insert_unsupported,
+from vllm.models.kimi_k3.common.dsa_config import topk_indices_buffer_rows
+from vllm.models.kimi_k3.nvidia import dsa_fused
+from vllm.models.kimi_k3.nvidia.dsa_indexer import (
+    KimiK3DSAIndexer,
+    KimiK3DSAIndexerKNorm,
 )
 from vllm.models.kimi_k3.nvidia.mla import (
     _GATE_MULTI_STREAM_TOKEN_THRESHOLD,
@@ -87,8 +56,14 @@ from vllm.models.kimi_k3.nvidia.mla import (
 from vllm.platforms import current_platform
 from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 from vllm.utils.multi_stream_utils import maybe_execute_in_parallel
-from vllm.utils.torch_utils import _encode_layer_name
-from vllm.v1.attention.backends.mla import indexer as v32_indexer
+
+__all__ = [
+    "KimiK3DSAAttention",
+    "KimiK3DSAIndexer",
+    "KimiK3DSAIndexerKNorm",
+    "padded_num_heads",
+    "use_kimi_k3_mla_backend",
+]
 
 logger = init_logger(__name__)
 
@@ -96,59 +71,6 @@ logger = init_logger(__name__)
 def padded_num_heads(num_heads: int, tp_size: int) -> int:
     """``num_heads`` rounded up to a multiple of ``tp_size``."""
     return (num_heads + tp_size - 1) // tp_size * tp_size
-
-
-def padded_index_num_heads(index_num_heads: int) -> int:
-    """The head count DeepGEMM's indexer kernels run ``index_num_heads`` at."""
-    for width in DEEPGEMM_INDEX_HEADS:
-        if index_num_heads <= width:
-            return width
-    raise ValueError(
-        "Official DeepGEMM DSA indexer supports at most 64 index "
-        f"heads, got {index_num_heads}."
-    )
-
-
-def kimi_k3_extension_available() -> bool:
-    """Whether ``vllm._kimi_k3_C`` (our CUDA kernels) is built and loads, for
-    the fused forward. Without it (a CPU machine, a build without nvcc) the
-    fused forward does not switch on and the wrapper path serves with upstream
-    ops only."""
-    return dsa_extension.extension_available()
-
-
-def _extension_loaded() -> bool:
-    """The same question for the key insert's selection (a separate name so
-    that the insert and the forward can be tested apart)."""
-    return dsa_extension.extension_available()
-
-
-def fused_k_insert_blockers(
-    use_pcp: bool,
-    index_k_norm_type: str,
-    index_rope_dim: int,
-    index_head_dim: int,
-    index_num_heads: int,
-) -> list[str]:
-    """Why the indexer cannot use our fused key insert (empty: it can).
-
-    Upstream's selection (no PCP, LayerNorm k-norm, no indexer rope) plus
-    what our kernels need: ``vllm._kimi_k3_C`` loaded and the shapes it was
-    compiled for.
-    """
-    blockers = []
-    if force_wrapper_forward():
-        blockers.append(f"{FORCE_WRAPPER_ENV}=1")
-    if use_pcp:
-        blockers.append("prefill context parallelism")
-    if index_k_norm_type != "layernorm":
-        blockers.append(f"index_k_norm_type {index_k_norm_type!r}")
-    if index_rope_dim != 0:
-        blockers.append(f"index_rope_dim {index_rope_dim}")
-    blockers += k_insert_unsupported(index_head_dim, index_num_heads)
-    if not blockers and not _extension_loaded():
-        blockers.append("vllm._kimi_k3_C not available")
-    return blockers
 
 
 def _accepts_kwarg(fn: Any, name: str) -> bool:
@@ -160,22 +82,6 @@ def _accepts_kwarg(fn: Any, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in parameters
-
-
-def _upstream_init_dcp_topk_merge() -> Any:
-    """Upstream's ``init_dcp_topk_merge`` where the installed vLLM has it
-    (0.33.0 does not), else None."""
-    module = importlib.import_module("vllm.model_executor.layers.sparse_attn_indexer")
-    return getattr(module, "init_dcp_topk_merge", None)
-
-
-def _norm_eps(norm: nn.Module) -> float | None:
-    """The epsilon of an RMSNorm (``variance_epsilon``; 0.33.0's RMSNorm has no
-    ``eps``) or of a LayerNorm (``eps``)."""
-    eps = getattr(norm, "eps", None)
-    if eps is None:
-        eps = getattr(norm, "variance_epsilon", None)
-    return eps
 
 
 class KimiK3DSAAttention(nn.Module):
@@ -462,60 +368,7 @@ class KimiK3DSAAttention(nn.Module):
     def fused_forward_blockers(self) -> list[str]:
         """The conditions of :meth:`pack_projections` that do not hold (empty
         when the fused forward can switch on)."""
-        attn = cast(Any, self.mla_attn.mla_attn)
-        indexer = self.dsa_indexer
-        blockers = []
-        if force_wrapper_forward():
-            blockers.append(f"{FORCE_WRAPPER_ENV}=1")
-        elif not indexer.use_fused_k_insert:
-            blockers.append("no fused key insert")
-        if indexer.dcp_world_size != 1:
-            blockers.append("decode context parallelism")
-        if self.q_lora_rank is None:
-            blockers.append("no q-LoRA")
-        else:
-            blockers += fused_prologue_unsupported(
-                self.q_lora_rank,
-                self.kv_lora_rank,
-                self.qk_rope_head_dim,
-                indexer.index_head_dim,
-                indexer.index_num_heads,
-            )
-        if not self.use_nope:
-            blockers.append("rope (not NoPE)")
-        if not hasattr(self, "g_proj"):
-            blockers.append("no output gate")
-        if getattr(attn, "kv_cache_dtype", None) != "fp8_ds_mla":
-            blockers.append("kv cache dtype is not fp8_ds_mla")
-        if getattr(attn, "hisparse_cache", None) is not None:
-            blockers.append("HiSparse")
-        if is_weights_pre_processed():
-            blockers.append("weights pre-processed")
-        if self.weights_offloaded:
-            blockers.append("weights offloaded")
-        if self.q_lora_rank is not None:
-            # The fused prologue takes one eps for all three norms.
-            eps = {
-                _norm_eps(self.q_a_layernorm),
-                _norm_eps(self.kv_a_layernorm),
-                _norm_eps(indexer.k_index_norm),
-            }
-            if len(eps) != 1:
-                blockers.append("norm eps differ")
-            linears = (
-                self.fused_qkv_a_proj,
-                indexer.wkv_index,
-                self.q_b_proj,
-                indexer.wq_index,
-            )
-            if not all(
-                isinstance(linear.quant_method, UnquantizedLinearMethod)
-                for linear in linears
-            ):
-                blockers.append("quantized projections")
-        if not kimi_k3_extension_available():
-            blockers.append("vllm._kimi_k3_C not available")
-        return blockers
+        return dsa_fused.fused_forward_blockers(self)
 
     def pack_projections(self) -> None:
         """Enable the fused forward (as DeepseekV32Attention): pack
@@ -539,20 +392,7 @@ class KimiK3DSAAttention(nn.Module):
                 "; ".join(blockers),
             )
             return
-        indexer = self.dsa_indexer
-        groups = (
-            (self.fused_qkv_a_proj, indexer.wkv_index),
-            (self.q_b_proj, indexer.wq_index),
-        )
-        packed_weights = []
-        for linears in groups:
-            packed = torch.cat([linear.weight.data for linear in linears])
-            rows = [linear.weight.shape[0] for linear in linears]
-            for linear, view in zip(linears, packed.split(rows), strict=True):
-                linear.weight.data = view
-            request_low_latency_warmup(packed)
-            packed_weights.append(packed)
-        self._packed = packed_weights
+        self._packed = dsa_fused.pack_projections(self)
         if self.aux_stream is not None:
             self._gate_events = (torch.cuda.Event(), torch.cuda.Event())
         logger.info_once("Kimi K3.1 DSA layers use the fused forward.")
@@ -582,416 +422,7 @@ class KimiK3DSAAttention(nn.Module):
         return self.o_proj(_gate_sigmoid_mul(attn_out, gate))[0]
 
     def _fused_attention(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Packed GEMM, the fused prologue (norms, both cache inserts, top-k
-        fill), packed query GEMM, indexer scoring, sparse MLA."""
-        assert self.q_lora_rank is not None and self._packed is not None
-        indexer = self.dsa_indexer
-        attn = cast(Any, self.mla_attn.mla_attn)
-        input_weight, query_weight = self._packed
-        q_c, kv_c, k_pe, index_k, index_weights = low_latency_linear(
-            hidden_states, input_weight
-        ).split(
-            [
-                self.q_lora_rank,
-                self.kv_lora_rank,
-                self.qk_rope_head_dim,
-                indexer.index_head_dim,
-                indexer.index_num_heads,
-            ],
-            dim=-1,
-        )
-
-        # Profile / dummy runs have no metadata and leave both caches alone.
-        caches: tuple = (None, None, None, None)
-        has_prefills = False
-        forward_context = get_forward_context()
-        attn_metadata = forward_context.attn_metadata
-        if isinstance(attn_metadata, dict) and attn.kv_cache.numel() > 0:
-            assert isinstance(forward_context.slot_mapping, dict)
-            has_prefills = cast(Any, attn_metadata[attn.layer_name]).num_prefills > 0
-            index_metadata = attn_metadata[indexer.k_cache.prefix]
-            assert isinstance(index_metadata, v32_indexer.DeepseekV32IndexerMetadata)
-            caches = (
-                attn.kv_cache,
-                forward_context.slot_mapping[attn.layer_name],
-                indexer.k_cache.kv_cache,
-                index_metadata.slot_mapping,
-            )
-        assert indexer.topk_indices_buffer is not None
-        k_norm = cast(KimiK3DSAIndexerKNorm, indexer.k_index_norm)
-        # One eps for the three norms (checked in pack_projections).
-        prologue = (
-            fused_prologue.mxfp4_fused_prologue
-            if indexer.use_fp4_cache
-            else fused_prologue.dsa_fused_prologue
-        )
-        q_c, kv_c_normed = prologue(
-            q_c,
-            kv_c,
-            k_pe,
-            index_k,
-            self.q_a_layernorm.weight,
-            self.kv_a_layernorm.weight,
-            k_norm.weight,
-            k_norm.bias,
-            k_norm.eps,
-            indexer.topk_indices_buffer,
-            *caches,
-        )
-
-        q, index_q = low_latency_linear(q_c, query_weight).split(
-            [
-                self.num_local_heads * self.qk_head_dim,
-                indexer.index_num_heads * indexer.index_head_dim,
-            ],
-            dim=-1,
-        )
-        q = q.view(-1, self.num_local_heads, self.qk_head_dim)
-        if has_prefills:
-            # q is a column slice; some MHA prefill backends need it contiguous.
-            q = q.contiguous()
-        index_q = index_q.view(-1, indexer.index_num_heads, indexer.index_head_dim)
-        indexer.score(hidden_states, index_q, index_weights, None)
-        attn.impl.record_logical_topk_ready()
-
-        output = torch.empty(
-            (hidden_states.shape[0], self.num_local_heads * self.v_head_dim),
-            dtype=hidden_states.dtype,
-            device=hidden_states.device,
-        )
-        torch.ops.vllm.unified_mla_attention_with_output(
-            q,
-            kv_c_normed,
-            k_pe.unsqueeze(1),
-            output,
-            _encode_layer_name(attn.layer_name),
-        )
-        return output
-
-
-class KimiK3DSAIndexer(nn.Module):
-    """wq / wkv indexer projections + the indexer key cache
-    (``KimiK3IndexerCache``, a ``DeepseekV32IndexerCache``).
-
-    Forward quantizes the indexer query, folds the scales into the per-head
-    weights and drives ``torch.ops.vllm.sparse_attn_indexer`` directly (the
-    upstream ``deepseek_v2.Indexer`` pattern).
-
-    ``dcp_local_topk`` (the specialized DCP decode merge) comes from upstream's
-    ``init_dcp_topk_merge`` where it exists; on 0.33.0 it is 0 and the op's
-    generic merge runs. ShardQ rows are read with ``getattr`` and only when
-    the cache was marked for ShardQ, which 0.33.0 never does.
-    """
-
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        hidden_size: int,
-        index_q_input_size: int,
-        index_head_dim: int,
-        index_num_heads: int,
-        index_topk: int,
-        rms_norm_eps: float,
-        index_rope_dim: int = 0,
-        index_k_norm_type: str = "rmsnorm",
-        cache_config: CacheConfig | None = None,
-        quant_config: QuantizationConfig | None = None,
-        topk_indices_buffer: torch.Tensor | None = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__()
-        from vllm.models.kimi_k3.common.dsa_cache import (
-            KimiK3IndexerCache,
-            indexer_cache_entry_bytes,
-            kimi_k3_indexer_uses_fp4,
-        )
-
-        self.index_head_dim = index_head_dim
-        self.index_num_heads = index_num_heads
-        self.indexer_weight_scale = self.index_num_heads**-0.5
-        # MLAModules contract: the wrapper asserts the indexer has topk_tokens.
-        self.topk_tokens = index_topk
-        # Leading dims of every head that get RoPE (neox pairing with the main
-        # attention's cos_sin_cache: checkpoints are pair-permuted at
-        # conversion). 0 = no indexer rope; the forward is then unchanged.
-        if index_rope_dim < 0 or index_rope_dim % 2 != 0:
-            raise ValueError(
-                f"dsa_config.index_rope_dim must be even and >= 0, got {index_rope_dim}"
-            )
-        if index_rope_dim > index_head_dim:
-            raise ValueError(
-                f"dsa_config.index_rope_dim ({index_rope_dim}) must not "
-                f"exceed index_head_dim ({index_head_dim})"
-            )
-        self.index_rope_dim = index_rope_dim
-        # wq_index may be fp8 block-quantized in fp8 checkpoints; wk and
-        # weights_proj are bf16 and share one GEMM.
-        self.wq_index = ReplicatedLinear(
-            index_q_input_size,
-            self.index_num_heads * self.index_head_dim,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.wq_index",
-        )
-        self.wkv_index = MergedColumnParallelLinear(
-            hidden_size,
-            [self.index_head_dim, self.index_num_heads],
-            bias=False,
-            quant_config=None,
-            disable_tp=True,
-            prefix=f"{prefix}.wkv_index",
-        )
-        self.k_index_norm: nn.Module
-        if index_k_norm_type == "layernorm":
-            self.k_index_norm = KimiK3DSAIndexerKNorm(
-                self.index_head_dim, eps=rms_norm_eps
-            )
-        elif index_k_norm_type == "rmsnorm":
-            self.k_index_norm = RMSNorm(self.index_head_dim, eps=rms_norm_eps)
-        else:
-            raise ValueError(
-                f"dsa_config.index_k_norm_type must be 'rmsnorm' or "
-                f"'layernorm', got {index_k_norm_type!r}"
-            )
-
-        # Power-of-two (ue8m0) key scales, as DeepSeek V3.2.
-        self.scale_fmt = "ue8m0"
-        self.quant_block_size = self.index_head_dim
-        self.index_softmax_scale = self.index_head_dim**-0.5
-        # DeepGEMM's indexer kernels take 32 or 64 heads: zero-pad up to that.
-        self.padded_index_num_heads = padded_index_num_heads(self.index_num_heads)
-        # fp8 keys by default; MXFP4 keys and queries only on an explicit
-        # indexer_kv_dtype='mxfp4'.
-        self.use_fp4_cache = kimi_k3_indexer_uses_fp4(vllm_config)
-        self.k_cache = KimiK3IndexerCache(
-            head_dim=indexer_cache_entry_bytes(self.index_head_dim, self.use_fp4_cache),
-            dtype=torch.uint8,
-            prefix=f"{prefix}.k_cache",
-            cache_config=cast(CacheConfig, cache_config),
-        )
-        self.max_model_len = vllm_config.model_config.max_model_len
-        self.max_total_seq_len = v32_indexer.get_max_prefill_buffer_size(vllm_config)
-        self.topk_indices_buffer = topk_indices_buffer
-        # As 0.33.0's SparseAttnIndexer: the allgather-k path under PCP.
-        self.use_pcp = vllm_config.parallel_config.prefill_context_parallel_size > 1
-        # Set by KimiK3DSAAttention to skip scoring dense-MHA prefills.
-        self.dense_mha_metadata_layer_name = ""
-        self.topk_backend = vllm_config.kernel_config.sparse_indexer_topk_backend
-        # The fused insert normalizes and quantizes the key itself; PCP needs
-        # the op to gather the unquantized key instead. Upstream's selection,
-        # plus our extension: without vllm._kimi_k3_C the key is normed here
-        # and 0.33.0's op inserts it (fp8 only), the wrapper path.
-        self.k_insert_blockers = fused_k_insert_blockers(
-            self.use_pcp,
-            index_k_norm_type,
-            index_rope_dim,
-            index_head_dim,
-            index_num_heads,
-        )
-        self.use_fused_k_insert = not self.k_insert_blockers
-        if self.k_insert_blockers:
-            logger.info_once(
-                "Kimi K3.1 DSA indexer keys use vLLM's unfused insert: %s.",
-                "; ".join(self.k_insert_blockers),
-            )
-        if self.use_fp4_cache and not self.use_fused_k_insert:
-            raise NotImplementedError(
-                "MXFP4 indexer keys need the fused key insert "
-                "(index_k_norm_type='layernorm', index_rope_dim=0, no prefill "
-                "context parallelism, the vllm._kimi_k3_C extension built, and "
-                "the shapes it takes), which this layer cannot use: "
-                f"{'; '.join(self.k_insert_blockers)}. Use indexer_kv_dtype='fp8'."
-            )
-        # DCP, as 0.33.0's SparseAttnIndexer: the op merges each rank's local
-        # top-k into the global one (_merge_dcp_topk_global).
-        self._parallel_config = vllm_config.parallel_config
-        self.dcp_world_size = self._parallel_config.decode_context_parallel_size
-        self.dcp_rank = get_dcp_group().rank_in_group if self.dcp_world_size > 1 else 0
-        self._cp_kv_cache_interleave_size: int | None = None
-        # The specialized decode merge of the packed local top-N, where
-        # upstream has it; 0 keeps the generic merge (always on 0.33.0).
-        init_dcp_topk_merge = _upstream_init_dcp_topk_merge()
-        self.dcp_local_topk = (
-            init_dcp_topk_merge(vllm_config, index_topk)
-            if init_dcp_topk_merge is not None
-            else 0
-        )
-
-    @property
-    def cp_kv_cache_interleave_size(self) -> int:
-        """The parallel config's value, cached once a real batch runs.
-
-        vLLM finalizes it after block-size setup, ahead of warmup (0.33.0's
-        SparseAttnIndexer reads it eagerly on each call instead).
-        """
-        if self._cp_kv_cache_interleave_size is None:
-            value = self._parallel_config.cp_kv_cache_interleave_size
-            if isinstance(get_forward_context().attn_metadata, dict):
-                self._cp_kv_cache_interleave_size = value
-            return value
-        return self._cp_kv_cache_interleave_size
-
-    def _apply_index_rope(
-        self,
-        index_q: torch.Tensor,
-        index_k: torch.Tensor,
-        positions: torch.Tensor,
-        rotary_emb: nn.Module,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE on the leading ``index_rope_dim`` dims of each head, in place.
-
-        The leading ``index_rope_dim // 2`` frequencies of the main
-        attention's ``cos_sin_cache`` (training reuses the leading freqs of the
-        main freqs_cis), fp32 arithmetic, cast back; neox (half-split)
-        pairing. ``index_q [T, H, D]``; ``index_k [T, D]``, already normed
-        (training order: norm, then rope).
-        """
-        index_rope.index_rope(
-            index_q,
-            index_k,
-            positions.view(-1),
-            rotary_emb.cos_sin_cache,
-            self.index_rope_dim,
-            False,  # interleave: neox / half-split
-        )
-        return index_q, index_k
-
-    def _shardq_indexer_rows(self) -> torch.Tensor | None:
-        """The rows a ShardQ step scores on this rank, or None: outside
-        ShardQ (always on 0.33.0), in CUDA-graph capture or replay (a graph
-        would bake in the capture batch's rows), or when the metadata has no
-        ``shardq_gather_indices``."""
-        if not getattr(self.k_cache, "use_shardq", False):
-            return None
-        forward_context = get_forward_context()
-        if (
-            forward_context.cudagraph_runtime_mode != CUDAGraphMode.NONE
-            or torch.cuda.is_current_stream_capturing()
-        ):
-            return None
-        attn_metadata = forward_context.attn_metadata
-        if not isinstance(attn_metadata, dict):
-            return None
-        prefill = getattr(attn_metadata.get(self.k_cache.prefix), "prefill", None)
-        if prefill is None:
-            return None
-        return getattr(prefill, "shardq_gather_indices", None)
-
-    def _fused_k_insert(self, index_k: torch.Tensor, num_tokens: int) -> None:
-        """LayerNorm + quantize + insert of the keys, and the -1 fill of the
-        top-k rows, in one kernel."""
-        attn_metadata = get_forward_context().attn_metadata
-        kv_cache = self.k_cache.kv_cache
-        # Dummy / profiling run: the op leaves the cache and buffer alone too.
-        if not isinstance(attn_metadata, dict) or kv_cache.numel() == 0:
-            return
-        metadata = attn_metadata[self.k_cache.prefix]
-        assert isinstance(metadata, v32_indexer.DeepseekV32IndexerMetadata)
-        assert self.topk_indices_buffer is not None
-        norm = cast(KimiK3DSAIndexerKNorm, self.k_index_norm)
-        insert = (
-            indexer_k_insert.mxfp4_k_norm_quant_insert
-            if self.use_fp4_cache
-            else indexer_k_insert.indexer_k_norm_quant_insert
-        )
-        insert(
-            index_k,
-            norm.weight,
-            norm.bias,
-            norm.eps,
-            metadata.slot_mapping,
-            kv_cache,
-            self.topk_indices_buffer,
-            num_tokens,
-        )
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        index_q_input: torch.Tensor | None,
-        positions: torch.Tensor | None = None,
-        rotary_emb: nn.Module | None = None,
-    ) -> torch.Tensor:
-        if index_q_input is None:
-            # No q-LoRA: the wrapper passes q_c=None, the query reads
-            # hidden_states.
-            index_q_input = hidden_states
-        # A ShardQ step scores this rank's rows only (never on 0.33.0).
-        rows = self._shardq_indexer_rows() if self.use_fused_k_insert else None
-        if rows is not None:
-            index_q_input = index_q_input[rows]
-        index_q = self.wq_index(index_q_input)[0].view(
-            -1, self.index_num_heads, self.index_head_dim
-        )
-        index_k, index_weights = self.wkv_index(hidden_states)[0].split(
-            [self.index_head_dim, self.index_num_heads], dim=-1
-        )
-        if rows is not None:
-            index_weights = index_weights[rows]
-        if self.use_fused_k_insert:
-            self._fused_k_insert(index_k, hidden_states.shape[0])
-            index_k = None
-        else:
-            index_k = self.k_index_norm(index_k)
-            if self.index_rope_dim > 0:
-                assert positions is not None and rotary_emb is not None, (
-                    "index_rope_dim > 0 requires positions and the main "
-                    "attention rotary_emb (mla_use_nope models cannot enable "
-                    "indexer rope)"
-                )
-                index_q, index_k = self._apply_index_rope(
-                    index_q, index_k, positions, rotary_emb
-                )
-        return self.score(hidden_states, index_q, index_weights, index_k)
-
-    def score(
-        self,
-        hidden_states: torch.Tensor,
-        index_q: torch.Tensor,
-        index_weights: torch.Tensor,
-        index_k: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Top-k of the current rows into ``topk_indices_buffer``; ``index_k`` is
-        None when the key was already inserted (``use_fused_k_insert``)."""
-        weight_scale = self.index_softmax_scale * self.indexer_weight_scale
-        q_scale: torch.Tensor | None = None
-        if self.use_fp4_cache:
-            q_quant, q_scale, weights = indexer_q_quant.mxfp4_q_quant(
-                index_q, index_weights, weight_scale, self.padded_index_num_heads
-            )
-        else:
-            q_quant, weights = indexer_q_quant.indexer_q_quant_fold_weights(
-                index_q, index_weights, weight_scale, self.padded_index_num_heads
-            )
-        # Inserts the keys (unless fused) and writes the top-k into the shared
-        # buffer, as SparseAttnIndexer.forward_cuda. In a dummy run kv_cache is
-        # an empty placeholder and the op only reserves its workspace.
-        return torch.ops.vllm.sparse_attn_indexer(
-            hidden_states,
-            _encode_layer_name(self.k_cache.prefix),
-            self.k_cache.kv_cache,
-            q_quant,
-            q_scale,  # None for fp8: its scale is folded into the weights
-            index_k,
-            weights,
-            self.quant_block_size,
-            self.scale_fmt,
-            self.topk_tokens,
-            self.index_head_dim,
-            self.max_model_len,
-            self.max_total_seq_len,
-            self.topk_indices_buffer,
-            self.use_fused_k_insert,  # skip_k_cache_insert
-            self.use_pcp,
-            self._parallel_config.pcp_shard_decode_requests,
-            _encode_layer_name(self.dense_mha_metadata_layer_name),
-            self.use_fp4_cache,
-            self.dcp_rank,
-            self.dcp_world_size,
-            self.cp_kv_cache_interleave_size,
-            skip_topk_buffer_clear=self.use_fused_k_insert,
-            topk_backend=self.topk_backend,
-        )
+        return dsa_fused.fused_attention(self, hidden_states)
 
 
 def use_kimi_k3_mla_backend(attn: Any) -> None:
@@ -1003,26 +434,3 @@ def use_kimi_k3_mla_backend(attn: Any) -> None:
 
     if getattr(attn, "attn_backend", None) is FlashMLASparseBackend:
         attn.attn_backend = KimiK3FlashMLASparseBackend
-
-
-class KimiK3DSAIndexerKNorm(nn.Module):
-    """Bias-full fp32 LayerNorm for the DSA indexer shared key.
-
-    ``F.layer_norm(x.float(), (dim,), weight, bias, eps).type_as(x)``: fp32
-    compute, cast back to the input dtype. ``weight`` and ``bias`` are stored
-    in fp32 (the same numbers as casting per forward). Selected by
-    ``dsa_config.index_k_norm_type == "layernorm"``; ``"rmsnorm"`` checkpoints
-    keep vLLM's RMSNorm.
-    """
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.normalized_shape = (dim,)
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
-        self.bias = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(
-            x.float(), self.normalized_shape, self.weight, self.bias, self.eps
-        ).type_as(x)

@@ -1,0 +1,218 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fused forward of a Kimi K3.1 DSA layer.
+
+After loading, :meth:`KimiK3DSAAttention.pack_projections` packs
+``[q_a | kv_a | wk | weights_proj]`` and ``[q_b | wq_index]`` into one weight
+each (the linears become views), when :func:`fused_forward_blockers` finds
+nothing in the way. A step then runs: the packed input GEMM, our fused
+prologue (the three norms, the ``fp8_ds_mla`` and indexer key inserts, the
+top-k row fill), the packed query GEMM, the indexer's scoring and sparse MLA.
+The wrapper forward (upstream ops only) serves every other configuration.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.model_executor.utils import is_weights_pre_processed
+from vllm.models.kimi_k3.common.dsa_config import (
+    FORCE_WRAPPER_ENV,
+    force_wrapper_forward,
+)
+from vllm.models.kimi_k3.nvidia.dsa_indexer import KimiK3DSAIndexerKNorm
+from vllm.models.kimi_k3.nvidia.dsa_low_latency import (
+    low_latency_linear,
+    request_low_latency_warmup,
+)
+from vllm.models.kimi_k3.nvidia.dsa_ops import _extension as dsa_extension
+from vllm.models.kimi_k3.nvidia.dsa_ops import fused_prologue
+from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import fused_prologue_unsupported
+from vllm.utils.torch_utils import _encode_layer_name
+from vllm.v1.attention.backends.mla import indexer as v32_indexer
+
+if TYPE_CHECKING:
+    from vllm.models.kimi_k3.nvidia.dsa import KimiK3DSAAttention
+
+
+def kimi_k3_extension_available() -> bool:
+    """Whether ``vllm._kimi_k3_C`` (our CUDA kernels) is built and loads.
+    Without it (a CPU machine, a build without nvcc) the fused forward does
+    not switch on and the wrapper path serves with upstream ops only."""
+    return dsa_extension.extension_available()
+
+
+def _norm_eps(norm: nn.Module) -> float | None:
+    """The epsilon of an RMSNorm (``variance_epsilon``; 0.33.0's RMSNorm has no
+    ``eps``) or of a LayerNorm (``eps``)."""
+    eps = getattr(norm, "eps", None)
+    if eps is None:
+        eps = getattr(norm, "variance_epsilon", None)
+    return eps
+
+
+def fused_forward_blockers(layer: KimiK3DSAAttention) -> list[str]:
+    """Why ``layer`` cannot run the fused forward (empty: it can)."""
+    attn = cast(Any, layer.mla_attn.mla_attn)
+    indexer = layer.dsa_indexer
+    blockers = []
+    if force_wrapper_forward():
+        blockers.append(f"{FORCE_WRAPPER_ENV}=1")
+    elif not indexer.use_fused_k_insert:
+        blockers.append("no fused key insert")
+    if indexer.dcp_world_size != 1:
+        blockers.append("decode context parallelism")
+    if layer.q_lora_rank is None:
+        blockers.append("no q-LoRA")
+    else:
+        blockers += fused_prologue_unsupported(
+            layer.q_lora_rank,
+            layer.kv_lora_rank,
+            layer.qk_rope_head_dim,
+            indexer.index_head_dim,
+            indexer.index_num_heads,
+        )
+    if not layer.use_nope:
+        blockers.append("rope (not NoPE)")
+    if not hasattr(layer, "g_proj"):
+        blockers.append("no output gate")
+    if getattr(attn, "kv_cache_dtype", None) != "fp8_ds_mla":
+        blockers.append("kv cache dtype is not fp8_ds_mla")
+    if getattr(attn, "hisparse_cache", None) is not None:
+        blockers.append("HiSparse")
+    if is_weights_pre_processed():
+        blockers.append("weights pre-processed")
+    if layer.weights_offloaded:
+        blockers.append("weights offloaded")
+    if layer.q_lora_rank is not None:
+        # The fused prologue takes one eps for all three norms.
+        eps = {
+            _norm_eps(layer.q_a_layernorm),
+            _norm_eps(layer.kv_a_layernorm),
+            _norm_eps(indexer.k_index_norm),
+        }
+        if len(eps) != 1:
+            blockers.append("norm eps differ")
+        linears = (
+            layer.fused_qkv_a_proj,
+            indexer.wkv_index,
+            layer.q_b_proj,
+            indexer.wq_index,
+        )
+        if not all(
+            isinstance(linear.quant_method, UnquantizedLinearMethod)
+            for linear in linears
+        ):
+            blockers.append("quantized projections")
+    if not kimi_k3_extension_available():
+        blockers.append("vllm._kimi_k3_C not available")
+    return blockers
+
+
+def pack_projections(layer: KimiK3DSAAttention) -> list[torch.Tensor]:
+    """Pack the input and query projections of ``layer`` into one weight
+    each, the linears becoming views into them; returns the packed weights."""
+    indexer = layer.dsa_indexer
+    groups = (
+        (layer.fused_qkv_a_proj, indexer.wkv_index),
+        (layer.q_b_proj, indexer.wq_index),
+    )
+    packed_weights = []
+    for linears in groups:
+        packed = torch.cat([linear.weight.data for linear in linears])
+        rows = [linear.weight.shape[0] for linear in linears]
+        for linear, view in zip(linears, packed.split(rows), strict=True):
+            linear.weight.data = view
+        request_low_latency_warmup(packed)
+        packed_weights.append(packed)
+    return packed_weights
+
+
+def fused_attention(
+    layer: KimiK3DSAAttention, hidden_states: torch.Tensor
+) -> torch.Tensor:
+    """Packed GEMM, the fused prologue (norms, both cache inserts, top-k
+    fill), packed query GEMM, indexer scoring, sparse MLA."""
+    assert layer.q_lora_rank is not None and layer._packed is not None
+    indexer = layer.dsa_indexer
+    attn = cast(Any, layer.mla_attn.mla_attn)
+    input_weight, query_weight = layer._packed
+    q_c, kv_c, k_pe, index_k, index_weights = low_latency_linear(
+        hidden_states, input_weight
+    ).split(
+        [
+            layer.q_lora_rank,
+            layer.kv_lora_rank,
+            layer.qk_rope_head_dim,
+            indexer.index_head_dim,
+            indexer.index_num_heads,
+        ],
+        dim=-1,
+    )
+
+    # Profile / dummy runs have no metadata and leave both caches alone.
+    caches: tuple = (None, None, None, None)
+    has_prefills = False
+    forward_context = get_forward_context()
+    attn_metadata = forward_context.attn_metadata
+    if isinstance(attn_metadata, dict) and attn.kv_cache.numel() > 0:
+        assert isinstance(forward_context.slot_mapping, dict)
+        has_prefills = cast(Any, attn_metadata[attn.layer_name]).num_prefills > 0
+        index_metadata = attn_metadata[indexer.k_cache.prefix]
+        assert isinstance(index_metadata, v32_indexer.DeepseekV32IndexerMetadata)
+        caches = (
+            attn.kv_cache,
+            forward_context.slot_mapping[attn.layer_name],
+            indexer.k_cache.kv_cache,
+            index_metadata.slot_mapping,
+        )
+    assert indexer.topk_indices_buffer is not None
+    k_norm = cast(KimiK3DSAIndexerKNorm, indexer.k_index_norm)
+    # One eps for the three norms (checked in pack_projections).
+    q_c, kv_c_normed = fused_prologue.dsa_fused_prologue(
+        q_c,
+        kv_c,
+        k_pe,
+        index_k,
+        layer.q_a_layernorm.weight,
+        layer.kv_a_layernorm.weight,
+        k_norm.weight,
+        k_norm.bias,
+        k_norm.eps,
+        indexer.topk_indices_buffer,
+        *caches,
+        fp4=indexer.use_fp4_cache,
+    )
+
+    q, index_q = low_latency_linear(q_c, query_weight).split(
+        [
+            layer.num_local_heads * layer.qk_head_dim,
+            indexer.index_num_heads * indexer.index_head_dim,
+        ],
+        dim=-1,
+    )
+    q = q.view(-1, layer.num_local_heads, layer.qk_head_dim)
+    if has_prefills:
+        # q is a column slice; some MHA prefill backends need it contiguous.
+        q = q.contiguous()
+    index_q = index_q.view(-1, indexer.index_num_heads, indexer.index_head_dim)
+    indexer.score(hidden_states, index_q, index_weights, None)
+    attn.impl.record_logical_topk_ready()
+
+    output = torch.empty(
+        (hidden_states.shape[0], layer.num_local_heads * layer.v_head_dim),
+        dtype=hidden_states.dtype,
+        device=hidden_states.device,
+    )
+    torch.ops.vllm.unified_mla_attention_with_output(
+        q,
+        kv_c_normed,
+        k_pe.unsqueeze(1),
+        output,
+        _encode_layer_name(attn.layer_name),
+    )
+    return output

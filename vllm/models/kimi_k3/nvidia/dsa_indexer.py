@@ -1,0 +1,449 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Kimi K3.1 DSA lightning indexer: its projections, key norm and key cache.
+
+:class:`KimiK3DSAIndexer` scores every cached token of a request with the
+indexer query and keeps the top ``index_topk`` (into the model-level top-k
+buffer that sparse MLA reads). It drives vLLM's own
+``torch.ops.vllm.sparse_attn_indexer`` over a ``DeepseekV32IndexerCache``
+subclass, as 0.33.0's DeepSeek V3.2 indexer does; with ``vllm._kimi_k3_C``
+built, the key is normed, quantized and inserted by our fused kernel instead
+of the op.
+
+Checkpoints name the weights ``self_attn.indexer.{wq_b, wk, weights_proj,
+k_norm}``; the module tree keeps ``self_attn.dsa_indexer.{wq_index,
+wkv_index, k_index_norm}`` (``wkv_index`` = ``[wk | weights_proj]``), and the
+model's ``load_weights`` renames into it.
+
+Upstream pieces newer than 0.33.0 are feature-detected, never assumed: the
+specialized DCP top-k merge (``init_dcp_topk_merge``; without it the op's
+generic merge runs) and ShardQ's per-rank rows (``use_shardq``,
+``shardq_gather_indices``; 0.33.0 never sets them).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.config import CacheConfig, CUDAGraphMode, VllmConfig
+from vllm.distributed import get_dcp_group
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+)
+from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.models.kimi_k3.common import dsa_cache
+from vllm.models.kimi_k3.common.dsa_config import (
+    FORCE_WRAPPER_ENV,
+    force_wrapper_forward,
+)
+from vllm.models.kimi_k3.nvidia.dsa_ops import _extension as dsa_extension
+from vllm.models.kimi_k3.nvidia.dsa_ops import (
+    index_rope,
+    indexer_k_insert,
+    indexer_q_quant,
+)
+from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import (
+    DEEPGEMM_INDEX_HEADS,
+    k_insert_unsupported,
+)
+from vllm.utils.torch_utils import _encode_layer_name
+from vllm.v1.attention.backends.mla import indexer as v32_indexer
+
+logger = init_logger(__name__)
+
+
+def padded_index_num_heads(index_num_heads: int) -> int:
+    """The head count DeepGEMM's indexer kernels run ``index_num_heads`` at."""
+    for width in DEEPGEMM_INDEX_HEADS:
+        if index_num_heads <= width:
+            return width
+    raise ValueError(
+        "Official DeepGEMM DSA indexer supports at most 64 index "
+        f"heads, got {index_num_heads}."
+    )
+
+
+def _extension_loaded() -> bool:
+    """Whether ``vllm._kimi_k3_C`` loads, for the key insert's selection."""
+    return dsa_extension.extension_available()
+
+
+def fused_k_insert_blockers(
+    use_pcp: bool,
+    index_k_norm_type: str,
+    index_rope_dim: int,
+    index_head_dim: int,
+    index_num_heads: int,
+) -> list[str]:
+    """Why the indexer cannot use our fused key insert (empty: it can).
+
+    Upstream's selection (no PCP, LayerNorm k-norm, no indexer rope) plus
+    what our kernels need: ``vllm._kimi_k3_C`` loaded and the shapes it was
+    compiled for.
+    """
+    blockers = []
+    if force_wrapper_forward():
+        blockers.append(f"{FORCE_WRAPPER_ENV}=1")
+    if use_pcp:
+        blockers.append("prefill context parallelism")
+    if index_k_norm_type != "layernorm":
+        blockers.append(f"index_k_norm_type {index_k_norm_type!r}")
+    if index_rope_dim != 0:
+        blockers.append(f"index_rope_dim {index_rope_dim}")
+    blockers += k_insert_unsupported(index_head_dim, index_num_heads)
+    if not blockers and not _extension_loaded():
+        blockers.append("vllm._kimi_k3_C not available")
+    return blockers
+
+
+def _upstream_init_dcp_topk_merge() -> Any:
+    """Upstream's ``init_dcp_topk_merge`` where the installed vLLM has it
+    (0.33.0 does not), else None."""
+    module = importlib.import_module("vllm.model_executor.layers.sparse_attn_indexer")
+    return getattr(module, "init_dcp_topk_merge", None)
+
+
+class KimiK3DSAIndexer(nn.Module):
+    """wq / wkv indexer projections + the indexer key cache
+    (``KimiK3IndexerCache``, a ``DeepseekV32IndexerCache``).
+
+    Forward quantizes the indexer query, folds the scales into the per-head
+    weights and drives ``torch.ops.vllm.sparse_attn_indexer`` directly (the
+    upstream ``deepseek_v2.Indexer`` pattern).
+
+    ``dcp_local_topk`` (the specialized DCP decode merge) comes from upstream's
+    ``init_dcp_topk_merge`` where it exists; on 0.33.0 it is 0 and the op's
+    generic merge runs. ShardQ rows are read with ``getattr`` and only when
+    the cache was marked for ShardQ, which 0.33.0 never does.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        hidden_size: int,
+        index_q_input_size: int,
+        index_head_dim: int,
+        index_num_heads: int,
+        index_topk: int,
+        rms_norm_eps: float,
+        index_rope_dim: int = 0,
+        index_k_norm_type: str = "rmsnorm",
+        cache_config: CacheConfig | None = None,
+        quant_config: QuantizationConfig | None = None,
+        topk_indices_buffer: torch.Tensor | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.index_head_dim = index_head_dim
+        self.index_num_heads = index_num_heads
+        self.indexer_weight_scale = self.index_num_heads**-0.5
+        # MLAModules contract: the wrapper asserts the indexer has topk_tokens.
+        self.topk_tokens = index_topk
+        # Leading dims of every head that get RoPE (neox pairing with the main
+        # attention's cos_sin_cache: checkpoints are pair-permuted at
+        # conversion). 0 = no indexer rope; the forward is then unchanged.
+        if index_rope_dim < 0 or index_rope_dim % 2 != 0:
+            raise ValueError(
+                f"dsa_config.index_rope_dim must be even and >= 0, got {index_rope_dim}"
+            )
+        if index_rope_dim > index_head_dim:
+            raise ValueError(
+                f"dsa_config.index_rope_dim ({index_rope_dim}) must not "
+                f"exceed index_head_dim ({index_head_dim})"
+            )
+        self.index_rope_dim = index_rope_dim
+        # wq_index may be fp8 block-quantized in fp8 checkpoints; wk and
+        # weights_proj are bf16 and share one GEMM.
+        self.wq_index = ReplicatedLinear(
+            index_q_input_size,
+            self.index_num_heads * self.index_head_dim,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.wq_index",
+        )
+        self.wkv_index = MergedColumnParallelLinear(
+            hidden_size,
+            [self.index_head_dim, self.index_num_heads],
+            bias=False,
+            quant_config=None,
+            disable_tp=True,
+            prefix=f"{prefix}.wkv_index",
+        )
+        self.k_index_norm: nn.Module
+        if index_k_norm_type == "layernorm":
+            self.k_index_norm = KimiK3DSAIndexerKNorm(
+                self.index_head_dim, eps=rms_norm_eps
+            )
+        elif index_k_norm_type == "rmsnorm":
+            self.k_index_norm = RMSNorm(self.index_head_dim, eps=rms_norm_eps)
+        else:
+            raise ValueError(
+                f"dsa_config.index_k_norm_type must be 'rmsnorm' or "
+                f"'layernorm', got {index_k_norm_type!r}"
+            )
+
+        # Power-of-two (ue8m0) key scales, as DeepSeek V3.2.
+        self.scale_fmt = "ue8m0"
+        self.quant_block_size = self.index_head_dim
+        self.index_softmax_scale = self.index_head_dim**-0.5
+        # DeepGEMM's indexer kernels take 32 or 64 heads: zero-pad up to that.
+        self.padded_index_num_heads = padded_index_num_heads(self.index_num_heads)
+        # fp8 keys by default; MXFP4 keys and queries only on an explicit
+        # indexer_kv_dtype='mxfp4'.
+        self.use_fp4_cache = dsa_cache.kimi_k3_indexer_uses_fp4(vllm_config)
+        self.k_cache = dsa_cache.KimiK3IndexerCache(
+            head_dim=dsa_cache.indexer_cache_entry_bytes(
+                self.index_head_dim, self.use_fp4_cache
+            ),
+            dtype=torch.uint8,
+            prefix=f"{prefix}.k_cache",
+            cache_config=cast(CacheConfig, cache_config),
+        )
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.max_total_seq_len = v32_indexer.get_max_prefill_buffer_size(vllm_config)
+        self.topk_indices_buffer = topk_indices_buffer
+        # As 0.33.0's SparseAttnIndexer: the allgather-k path under PCP.
+        self.use_pcp = vllm_config.parallel_config.prefill_context_parallel_size > 1
+        # Set by KimiK3DSAAttention to skip scoring dense-MHA prefills.
+        self.dense_mha_metadata_layer_name = ""
+        self.topk_backend = vllm_config.kernel_config.sparse_indexer_topk_backend
+        # The fused insert normalizes and quantizes the key itself; PCP needs
+        # the op to gather the unquantized key instead. Upstream's selection,
+        # plus our extension: without vllm._kimi_k3_C the key is normed here
+        # and 0.33.0's op inserts it (fp8 only), the wrapper path.
+        self.k_insert_blockers = fused_k_insert_blockers(
+            self.use_pcp,
+            index_k_norm_type,
+            index_rope_dim,
+            index_head_dim,
+            index_num_heads,
+        )
+        self.use_fused_k_insert = not self.k_insert_blockers
+        if self.k_insert_blockers:
+            logger.info_once(
+                "Kimi K3.1 DSA indexer keys use vLLM's unfused insert: %s.",
+                "; ".join(self.k_insert_blockers),
+            )
+        if self.use_fp4_cache and not self.use_fused_k_insert:
+            raise NotImplementedError(
+                "MXFP4 indexer keys need the fused key insert "
+                "(index_k_norm_type='layernorm', index_rope_dim=0, no prefill "
+                "context parallelism, the vllm._kimi_k3_C extension built, and "
+                "the shapes it takes), which this layer cannot use: "
+                f"{'; '.join(self.k_insert_blockers)}. Use indexer_kv_dtype='fp8'."
+            )
+        # DCP, as 0.33.0's SparseAttnIndexer: the op merges each rank's local
+        # top-k into the global one (_merge_dcp_topk_global).
+        self._parallel_config = vllm_config.parallel_config
+        self.dcp_world_size = self._parallel_config.decode_context_parallel_size
+        self.dcp_rank = get_dcp_group().rank_in_group if self.dcp_world_size > 1 else 0
+        self._cp_kv_cache_interleave_size: int | None = None
+        # The specialized decode merge of the packed local top-N, where
+        # upstream has it; 0 keeps the generic merge (always on 0.33.0).
+        init_dcp_topk_merge = _upstream_init_dcp_topk_merge()
+        self.dcp_local_topk = (
+            init_dcp_topk_merge(vllm_config, index_topk)
+            if init_dcp_topk_merge is not None
+            else 0
+        )
+
+    @property
+    def cp_kv_cache_interleave_size(self) -> int:
+        """The parallel config's value, cached once a real batch runs.
+
+        vLLM finalizes it after block-size setup, ahead of warmup (0.33.0's
+        SparseAttnIndexer reads it eagerly on each call instead).
+        """
+        if self._cp_kv_cache_interleave_size is None:
+            value = self._parallel_config.cp_kv_cache_interleave_size
+            if isinstance(get_forward_context().attn_metadata, dict):
+                self._cp_kv_cache_interleave_size = value
+            return value
+        return self._cp_kv_cache_interleave_size
+
+    def _apply_index_rope(
+        self,
+        index_q: torch.Tensor,
+        index_k: torch.Tensor,
+        positions: torch.Tensor,
+        rotary_emb: nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on the leading ``index_rope_dim`` dims of each head, in place.
+
+        The leading ``index_rope_dim // 2`` frequencies of the main
+        attention's ``cos_sin_cache`` (training reuses the leading freqs of the
+        main freqs_cis), fp32 arithmetic, cast back; neox (half-split)
+        pairing. ``index_q [T, H, D]``; ``index_k [T, D]``, already normed
+        (training order: norm, then rope).
+        """
+        index_rope.index_rope(
+            index_q,
+            index_k,
+            positions.view(-1),
+            rotary_emb.cos_sin_cache,
+            self.index_rope_dim,
+            False,  # interleave: neox / half-split
+        )
+        return index_q, index_k
+
+    def _shardq_indexer_rows(self) -> torch.Tensor | None:
+        """The rows a ShardQ step scores on this rank, or None: outside
+        ShardQ (always on 0.33.0), in CUDA-graph capture or replay (a graph
+        would bake in the capture batch's rows), or when the metadata has no
+        ``shardq_gather_indices``."""
+        if not getattr(self.k_cache, "use_shardq", False):
+            return None
+        forward_context = get_forward_context()
+        if (
+            forward_context.cudagraph_runtime_mode != CUDAGraphMode.NONE
+            or torch.cuda.is_current_stream_capturing()
+        ):
+            return None
+        attn_metadata = forward_context.attn_metadata
+        if not isinstance(attn_metadata, dict):
+            return None
+        prefill = getattr(attn_metadata.get(self.k_cache.prefix), "prefill", None)
+        if prefill is None:
+            return None
+        return getattr(prefill, "shardq_gather_indices", None)
+
+    def _fused_k_insert(self, index_k: torch.Tensor, num_tokens: int) -> None:
+        """LayerNorm + quantize + insert of the keys, and the -1 fill of the
+        top-k rows, in one kernel."""
+        attn_metadata = get_forward_context().attn_metadata
+        kv_cache = self.k_cache.kv_cache
+        # Dummy / profiling run: the op leaves the cache and buffer alone too.
+        if not isinstance(attn_metadata, dict) or kv_cache.numel() == 0:
+            return
+        metadata = attn_metadata[self.k_cache.prefix]
+        assert isinstance(metadata, v32_indexer.DeepseekV32IndexerMetadata)
+        assert self.topk_indices_buffer is not None
+        norm = cast(KimiK3DSAIndexerKNorm, self.k_index_norm)
+        indexer_k_insert.indexer_k_norm_quant_insert(
+            index_k,
+            norm.weight,
+            norm.bias,
+            norm.eps,
+            metadata.slot_mapping,
+            kv_cache,
+            self.topk_indices_buffer,
+            num_tokens,
+            fp4=self.use_fp4_cache,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        index_q_input: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
+        rotary_emb: nn.Module | None = None,
+    ) -> torch.Tensor:
+        if index_q_input is None:
+            # No q-LoRA: the wrapper passes q_c=None, the query reads
+            # hidden_states.
+            index_q_input = hidden_states
+        # A ShardQ step scores this rank's rows only (never on 0.33.0).
+        rows = self._shardq_indexer_rows() if self.use_fused_k_insert else None
+        if rows is not None:
+            index_q_input = index_q_input[rows]
+        index_q = self.wq_index(index_q_input)[0].view(
+            -1, self.index_num_heads, self.index_head_dim
+        )
+        index_k, index_weights = self.wkv_index(hidden_states)[0].split(
+            [self.index_head_dim, self.index_num_heads], dim=-1
+        )
+        if rows is not None:
+            index_weights = index_weights[rows]
+        if self.use_fused_k_insert:
+            self._fused_k_insert(index_k, hidden_states.shape[0])
+            index_k = None
+        else:
+            index_k = self.k_index_norm(index_k)
+            if self.index_rope_dim > 0:
+                assert positions is not None and rotary_emb is not None, (
+                    "index_rope_dim > 0 requires positions and the main "
+                    "attention rotary_emb (mla_use_nope models cannot enable "
+                    "indexer rope)"
+                )
+                index_q, index_k = self._apply_index_rope(
+                    index_q, index_k, positions, rotary_emb
+                )
+        return self.score(hidden_states, index_q, index_weights, index_k)
+
+    def score(
+        self,
+        hidden_states: torch.Tensor,
+        index_q: torch.Tensor,
+        index_weights: torch.Tensor,
+        index_k: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Top-k of the current rows into ``topk_indices_buffer``; ``index_k`` is
+        None when the key was already inserted (``use_fused_k_insert``)."""
+        weight_scale = self.index_softmax_scale * self.indexer_weight_scale
+        q_quant, q_scale, weights = indexer_q_quant.indexer_q_quant(
+            index_q,
+            index_weights,
+            weight_scale,
+            self.padded_index_num_heads,
+            fp4=self.use_fp4_cache,
+        )
+        # Inserts the keys (unless fused) and writes the top-k into the shared
+        # buffer, as SparseAttnIndexer.forward_cuda. In a dummy run kv_cache is
+        # an empty placeholder and the op only reserves its workspace.
+        return torch.ops.vllm.sparse_attn_indexer(
+            hidden_states,
+            _encode_layer_name(self.k_cache.prefix),
+            self.k_cache.kv_cache,
+            q_quant,
+            q_scale,  # None for fp8: its scale is folded into the weights
+            index_k,
+            weights,
+            self.quant_block_size,
+            self.scale_fmt,
+            self.topk_tokens,
+            self.index_head_dim,
+            self.max_model_len,
+            self.max_total_seq_len,
+            self.topk_indices_buffer,
+            self.use_fused_k_insert,  # skip_k_cache_insert
+            self.use_pcp,
+            self._parallel_config.pcp_shard_decode_requests,
+            _encode_layer_name(self.dense_mha_metadata_layer_name),
+            self.use_fp4_cache,
+            self.dcp_rank,
+            self.dcp_world_size,
+            self.cp_kv_cache_interleave_size,
+            skip_topk_buffer_clear=self.use_fused_k_insert,
+            topk_backend=self.topk_backend,
+        )
+
+
+class KimiK3DSAIndexerKNorm(nn.Module):
+    """Bias-full fp32 LayerNorm for the DSA indexer shared key.
+
+    ``F.layer_norm(x.float(), (dim,), weight, bias, eps).type_as(x)``: fp32
+    compute, cast back to the input dtype. ``weight`` and ``bias`` are stored
+    in fp32 (the same numbers as casting per forward). Selected by
+    ``dsa_config.index_k_norm_type == "layernorm"``; ``"rmsnorm"`` checkpoints
+    keep vLLM's RMSNorm.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.normalized_shape = (dim,)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(
+            x.float(), self.normalized_shape, self.weight, self.bias, self.eps
+        ).type_as(x)
