@@ -21,6 +21,7 @@ ROOT = Path(__file__).parent
 # Our packages only. Upstream-owned parents (vllm, vllm.models, ...) are not
 # listed; the ones that receive our modules are namespace packages here.
 PACKAGES = [
+    "vllm.entrypoints.kimi_k3_dsa",
     "vllm.models.kimi_k3.common",
     "vllm.models.kimi_k3.nvidia",
     "vllm.models.kimi_k3.nvidia.dsa_ops",

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from vllm.models.kimi_k3.common import dsa_kv_plan
-from vllm.models.kimi_k3.common.dsa_kv_plan import main
+from vllm.entrypoints.kimi_k3_dsa.kv_plan import main
+from vllm.models.kimi_k3.common import dsa_kv_plan_inputs as plan_inputs
 
 GIB = 2**30
-BUNDLED = Path(dsa_kv_plan.__file__).parent / "data" / dsa_kv_plan.BUNDLED_CONFIG
+BUNDLED = Path(plan_inputs.__file__).parent / "data" / plan_inputs.BUNDLED_CONFIG
 
 
 def independent_plan(
@@ -190,11 +190,9 @@ def test_module_command_and_console_script():
     from importlib.metadata import entry_points
 
     scripts = entry_points(group="console_scripts", name="kimi-k3-dsa-kv-plan")
-    assert [ep.value for ep in scripts] == [
-        "vllm.models.kimi_k3.common.dsa_kv_plan:main"
-    ]
+    assert [ep.value for ep in scripts] == ["vllm.entrypoints.kimi_k3_dsa.kv_plan:main"]
     result = subprocess.run(
-        [sys.executable, "-m", "vllm.models.kimi_k3.common.dsa_kv_plan",
+        [sys.executable, "-m", "vllm.entrypoints.kimi_k3_dsa.kv_plan",
          "--tp", "8", "--kv-budget", "60GiB"],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},

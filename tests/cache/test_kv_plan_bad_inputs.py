@@ -22,10 +22,10 @@ import pytest
 # land in that test's captured stderr.
 import vllm.models.kimi_k3.common.dsa_cache  # noqa: F401
 import vllm.models.kimi_k3.common.dsa_config  # noqa: F401
-from vllm.models.kimi_k3.common import dsa_kv_plan
-from vllm.models.kimi_k3.common.dsa_kv_plan import PROG, main
+from vllm.entrypoints.kimi_k3_dsa.kv_plan import PROG, main
+from vllm.models.kimi_k3.common import dsa_kv_plan_inputs as plan_inputs
 
-BUNDLED = Path(dsa_kv_plan.__file__).parent / "data" / dsa_kv_plan.BUNDLED_CONFIG
+BUNDLED = Path(plan_inputs.__file__).parent / "data" / plan_inputs.BUNDLED_CONFIG
 ERROR = f"{PROG}: error: "
 PLAN_TITLE = "Kimi K3.1 DSA KV cache plan"
 GOOD_DRAFT = {"num_hidden_layers": 1, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
@@ -433,7 +433,7 @@ def test_draft_config_needs_a_draft_method(capsys, tmp_path):
 
 def test_oversized_file_is_not_read(capsys, tmp_path, monkeypatch):
     """A weights file passed as --config is refused by its size."""
-    monkeypatch.setattr(dsa_kv_plan, "MAX_CONFIG_BYTES", 1024)
+    monkeypatch.setattr(plan_inputs, "MAX_CONFIG_BYTES", 1024)
     path = write(tmp_path / "model.safetensors", b"\0" * 2048)
     message = assert_refused(capsys, ["--config", str(path)])
     assert_words(message, [str(path), "not a config.json"])

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm.entrypoints.kimi_k3_dsa.kv_plan import main
 from vllm.models.kimi_k3.common.dsa_cache import KimiK3IndexerBackend
-from vllm.models.kimi_k3.common.dsa_kv_plan import main
 
 TP = 8
 

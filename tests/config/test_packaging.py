@@ -20,6 +20,7 @@ UPSTREAM_OWNED = (
     "vllm/models/kimi_k3/nvidia",
     "vllm/models/kimi_k3/common",
     "vllm/plugins",
+    "vllm/entrypoints",
     # 0.33.0 ships nvidia/ops (attn_res); our kernels live in nvidia/dsa_ops.
     "vllm/models/kimi_k3/nvidia/ops",
 )
@@ -97,6 +98,8 @@ def test_wheel_holds_our_modules_only(wheel_files):
         "vllm/models/kimi_k3/common/dsa_cache.py",
         "vllm/models/kimi_k3/common/dsa_config.py",
         "vllm/plugins/kimi_k3_dsa/__init__.py",
+        "vllm/entrypoints/kimi_k3_dsa/__init__.py",
+        "vllm/entrypoints/kimi_k3_dsa/kv_plan.py",
         "vllm/models/kimi_k3/nvidia/dsa_ops/__init__.py",
     ):
         assert module in python_files, module

@@ -153,7 +153,7 @@ def test_kv_plan_block_is_the_engine_block_at_tp2(
     """What test_two_gpus compares with the allocation, on the CPU: the plan
     and the engine's sizing give one TP2 block (1024 tokens: half the TP1
     block, the KDA states being split)."""
-    from vllm.models.kimi_k3.common.dsa_kv_plan import main
+    from vllm.entrypoints.kimi_k3_dsa.kv_plan import main
 
     config, ckpt = _config(
         tiny_checkpoint, engine_config, TINY_INDEX_TOPK, MAX_MODEL_LEN, tp=2

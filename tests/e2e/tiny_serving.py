@@ -673,7 +673,7 @@ def kv_plan(
     """``kimi-k3-dsa-kv-plan --json`` (its ``main``) for a checkpoint."""
     import io
 
-    from vllm.models.kimi_k3.common.dsa_kv_plan import main
+    from vllm.entrypoints.kimi_k3_dsa.kv_plan import main
 
     out, err = io.StringIO(), io.StringIO()
     args = [
