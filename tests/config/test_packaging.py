@@ -100,6 +100,7 @@ def test_wheel_holds_our_modules_only(wheel_files):
         "vllm/plugins/kimi_k3_dsa/__init__.py",
         "vllm/entrypoints/kimi_k3_dsa/__init__.py",
         "vllm/entrypoints/kimi_k3_dsa/kv_plan.py",
+        "vllm/entrypoints/kimi_k3_dsa/tiny_checkpoint.py",
         "vllm/models/kimi_k3/nvidia/dsa_ops/__init__.py",
     ):
         assert module in python_files, module

@@ -15,7 +15,9 @@ import pytest
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from vllm.entrypoints.kimi_k3_dsa import tiny_checkpoint as cli  # noqa: E402
 from vllm.models.kimi_k3.common import dsa_tiny_checkpoint as T  # noqa: E402
+from vllm.models.kimi_k3.common import dsa_tiny_weights as W  # noqa: E402
 
 
 def _layers_with(names: set[str], part: str) -> set[int]:
@@ -24,7 +26,7 @@ def _layers_with(names: set[str], part: str) -> set[int]:
 
 def test_shapes_follow_the_layer_kinds() -> None:
     config = T.tiny_text_config()
-    names = set(T.tiny_checkpoint_shapes(config))
+    names = set(W.tiny_checkpoint_shapes(config))
     num_layers = config["num_hidden_layers"]
     mtp = num_layers  # one MTP layer
     full = {n - 1 for n in T.TINY_FULL_ATTN_LAYERS}
@@ -38,7 +40,7 @@ def test_shapes_follow_the_layer_kinds() -> None:
     assert _layers_with(names, ".eh_proj.weight") == {mtp}
     assert f"model.layers.{mtp}.embed_tokens.weight" in names
     assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= names
-    shapes = T.tiny_checkpoint_shapes(config)
+    shapes = W.tiny_checkpoint_shapes(config)
     dsa = T.TINY_DSA_CONFIG
     p = f"model.layers.{min(full)}.self_attn.indexer."
     assert shapes[p + "wq_b.weight"] == (
@@ -53,12 +55,12 @@ def test_shapes_follow_the_layer_kinds() -> None:
 
 
 def test_plain_k3_and_rmsnorm_variants() -> None:
-    names = set(T.tiny_checkpoint_shapes(T.tiny_text_config(dsa=False)))
+    names = set(W.tiny_checkpoint_shapes(T.tiny_text_config(dsa=False)))
     assert not [n for n in names if ".indexer." in n]
     rms = T.tiny_text_config(
         dsa_config={**T.TINY_DSA_CONFIG, "index_k_norm_type": "rmsnorm"}
     )
-    names = set(T.tiny_checkpoint_shapes(rms))
+    names = set(W.tiny_checkpoint_shapes(rms))
     assert [n for n in names if n.endswith("indexer.k_norm.weight")]
     assert not [n for n in names if n.endswith("indexer.k_norm.bias")]
 
@@ -73,34 +75,34 @@ def test_write_tiny_checkpoint_files_and_determinism(tmp_path: Path) -> None:
     ta = safetensors_torch.load_file(str(a / T.CHECKPOINT_FILE))
     tb = safetensors_torch.load_file(str(b / T.CHECKPOINT_FILE))
     tc = safetensors_torch.load_file(str(c / T.CHECKPOINT_FILE))
-    assert set(ta) == set(T.tiny_checkpoint_shapes(config))
+    assert set(ta) == set(W.tiny_checkpoint_shapes(config))
     name = "model.layers.3.self_attn.indexer.wk.weight"
     assert ta[name].equal(tb[name]) and not ta[name].equal(tc[name])
     assert all(
-        tuple(t.shape) == T.tiny_checkpoint_shapes(config)[n] for n, t in ta.items()
+        tuple(t.shape) == W.tiny_checkpoint_shapes(config)[n] for n, t in ta.items()
     )
 
 
 def test_multimodal_prefix() -> None:
-    tensors = T.tiny_checkpoint_tensors(T.tiny_text_config(), prefix="language_model.")
+    tensors = W.tiny_checkpoint_tensors(T.tiny_text_config(), prefix="language_model.")
     assert all(n.startswith("language_model.") for n in tensors)
     assert "language_model.model.layers.3.self_attn.indexer.wq_b.weight" in tensors
 
 
 def test_cli_writes_config_and_weights(tmp_path: Path) -> None:
-    T.main([str(tmp_path / "full")])
+    cli.main([str(tmp_path / "full")])
     full = json.loads((tmp_path / "full" / "config.json").read_text())
     assert full["dsa_config"] == T.TINY_DSA_CONFIG
     weights = safetensors_torch.load_file(str(tmp_path / "full" / T.CHECKPOINT_FILE))
-    expected = T.tiny_checkpoint_shapes(full)
+    expected = W.tiny_checkpoint_shapes(full)
     assert {n: tuple(t.shape) for n, t in weights.items()} == expected
     assert any(".indexer.wq_b." in n for n in weights)
-    T.main([str(tmp_path / "plain"), "--no-dsa"])
+    cli.main([str(tmp_path / "plain"), "--no-dsa"])
     plain = json.loads((tmp_path / "plain" / "config.json").read_text())
     assert "dsa_config" not in plain
     weights = safetensors_torch.load_file(str(tmp_path / "plain" / T.CHECKPOINT_FILE))
     assert not [n for n in weights if ".indexer." in n]
-    T.main([str(tmp_path / "cfg"), "--config-only"])
+    cli.main([str(tmp_path / "cfg"), "--config-only"])
     assert sorted(p.name for p in (tmp_path / "cfg").iterdir()) == ["config.json"]
 
 
@@ -113,7 +115,7 @@ def test_write_tiny_config_unchanged(tmp_path: Path) -> None:
 
 
 def test_multimodal_checkpoint(tmp_path: Path) -> None:
-    T.main([str(tmp_path / "mm"), "--multimodal"])
+    cli.main([str(tmp_path / "mm"), "--multimodal"])
     config = json.loads((tmp_path / "mm" / "config.json").read_text())
     assert config["model_type"] == "kimi_k3"
     assert config["architectures"] == ["KimiK3ForConditionalGeneration"]
@@ -122,10 +124,10 @@ def test_multimodal_checkpoint(tmp_path: Path) -> None:
     tensors = safetensors_torch.load_file(str(tmp_path / "mm" / T.CHECKPOINT_FILE))
     text = {n for n in tensors if n.startswith("language_model.")}
     assert {n.removeprefix("language_model.") for n in text} == set(
-        T.tiny_checkpoint_shapes(T.tiny_text_config())
+        W.tiny_checkpoint_shapes(T.tiny_text_config())
     )
     assert set(tensors) - text == set(
-        T.tiny_vision_shapes(T.TINY_VISION_CONFIG, config["text_config"]["hidden_size"])
+        W.tiny_vision_shapes(T.TINY_VISION_CONFIG, config["text_config"]["hidden_size"])
     )
     with pytest.raises(SystemExit):
-        T.main([str(tmp_path / "bad"), "--multimodal", "--config-only"])
+        cli.main([str(tmp_path / "bad"), "--multimodal", "--config-only"])

@@ -23,6 +23,7 @@ import pytest
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from vllm.entrypoints.kimi_k3_dsa import tiny_checkpoint as cli  # noqa: E402
 from vllm.models.kimi_k3.common import dsa_tiny_checkpoint as T  # noqa: E402
 
 PROG = "kimi-k3-dsa-tiny-checkpoint"
@@ -60,7 +61,7 @@ def run_main(
     """``main(argv)``'s exit status, stdout and stderr; it must print nothing
     on stdout when it fails."""
     try:
-        T.main(argv)
+        cli.main(argv)
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
@@ -303,7 +304,7 @@ def test_failed_swap_puts_the_old_directory_back(
     rename = os.rename
 
     def fail_staging(src: str | Path, dst: str | Path) -> None:
-        if T._STAGING_INFIX in Path(src).name:
+        if cli._STAGING_INFIX in Path(src).name:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         rename(src, dst)
 
@@ -325,7 +326,7 @@ def test_permission_denied_is_one_line(
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
 
     before = snapshot(existing.parent, dir_mtimes=False)
-    monkeypatch.setattr(T.tempfile, "mkdtemp", denied)
+    monkeypatch.setattr(cli.tempfile, "mkdtemp", denied)
     status, _, err = run_main(["new/out", "--config-only"], capsys)
     monkeypatch.undo()
     assert status == 1 and err.count("\n") == 1

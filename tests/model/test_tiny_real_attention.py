@@ -41,8 +41,10 @@ from layer_builders import build
 safetensors = pytest.importorskip("safetensors")
 
 from vllm.entrypoints.kimi_k3_dsa import kv_plan  # noqa: E402
+from vllm.entrypoints.kimi_k3_dsa import tiny_checkpoint as cli  # noqa: E402
 from vllm.models.kimi_k3.common import dsa_kv_plan_inputs as plan_inputs  # noqa: E402
 from vllm.models.kimi_k3.common import dsa_tiny_checkpoint as T  # noqa: E402
+from vllm.models.kimi_k3.common import dsa_tiny_weights as W  # noqa: E402
 
 TP_SIZES = (1, 2, 8)
 HEADS = 96
@@ -80,7 +82,7 @@ def variant_config() -> dict[str, Any]:
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The variant, written by the command line."""
     out = tmp_path_factory.mktemp("real_attention") / "ckpt"
-    T.main([str(out), "--real-attention"])
+    cli.main([str(out), "--real-attention"])
     return out
 
 
@@ -165,7 +167,7 @@ def test_cli_writes_the_variant(checkpoint: Path) -> None:
     config = json.loads((checkpoint / T.CONFIG_FILE).read_text())
     assert config == variant_config()
     weights = checkpoint / T.CHECKPOINT_FILE
-    expected = T.tiny_checkpoint_shapes(config)
+    expected = W.tiny_checkpoint_shapes(config)
     with safe_open(str(weights), framework="pt") as f:
         names = f.keys()  # a safe_open handle is not iterable
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in names}
@@ -188,12 +190,12 @@ def test_cli_writes_the_variant(checkpoint: Path) -> None:
 def test_cli_flag_with_config_only_and_no_dsa(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    T.main([str(tmp_path / "k31"), "--real-attention", "--config-only"])
+    cli.main([str(tmp_path / "k31"), "--real-attention", "--config-only"])
     assert "(real attention dimensions)" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "k31").iterdir()) == [T.CONFIG_FILE]
     config = json.loads((tmp_path / "k31" / T.CONFIG_FILE).read_text())
     assert config == variant_config()
-    T.main([str(tmp_path / "k3"), "--real-attention", "--no-dsa", "--config-only"])
+    cli.main([str(tmp_path / "k3"), "--real-attention", "--no-dsa", "--config-only"])
     plain = json.loads((tmp_path / "k3" / T.CONFIG_FILE).read_text())
     assert "dsa_config" not in plain
     assert plain["num_attention_heads"] == HEADS
