@@ -9,13 +9,9 @@ buffer wider than the fill are used, so every address path is exercised."""
 import torch
 from dsa_gpu_utils import EPS, PackedCaches, gemm_slices, norm_weights, random_slots
 
-from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import (
-    dsa_fused_prologue,
-    mxfp4_fused_prologue,
-)
+from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import dsa_fused_prologue
 from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
     indexer_k_norm_quant_insert,
-    mxfp4_k_norm_quant_insert,
 )
 
 
@@ -27,11 +23,13 @@ def main() -> None:
     topk = torch.zeros(t + 3, 2048, dtype=torch.int32, device="cuda")
     for fp4 in (False, True):
         caches = PackedCaches(nb, fp4)
-        insert = mxfp4_k_norm_quant_insert if fp4 else indexer_k_norm_quant_insert
-        insert(index_k, kw, kb, EPS, slots, caches.index, topk, t)
-        prologue = mxfp4_fused_prologue if fp4 else dsa_fused_prologue
-        prologue(q_c, kv_c, k_pe, index_k, qw, kvw, kw, kb, EPS, topk,
-                 caches.mla, slots, caches.index, slots)  # fmt: skip
+        indexer_k_norm_quant_insert(
+            index_k, kw, kb, EPS, slots, caches.index, topk, t, fp4=fp4
+        )
+        dsa_fused_prologue(
+            q_c, kv_c, k_pe, index_k, qw, kvw, kw, kb, EPS, topk,
+            caches.mla, slots, caches.index, slots, fp4=fp4,
+        )  # fmt: skip
     torch.cuda.synchronize()
     print("dsa_sanitize_driver: 4 kernels ran")
 

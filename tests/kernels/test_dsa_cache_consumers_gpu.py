@@ -27,11 +27,10 @@ from dsa_gpu_utils import (
 )
 
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
+from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import dsa_fused_prologue
 from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
     indexer_k_norm_quant_insert,
-    k_norm_reference,
-    mxfp4_k_norm_quant_insert,
 )
 
 DEVICE_DIR = Path(
@@ -100,14 +99,13 @@ def test_deepgemm_paged_mqa_logits_reads_our_indexer_cache(fp4: bool, packed: bo
     else:
         cache = torch.zeros(num_blocks, BLOCK, entry, dtype=torch.uint8, device="cuda")
     topk = torch.empty(n, 8, dtype=torch.int32, device="cuda")
+    indexer_k_norm_quant_insert(index_k, kw, kb, EPS, slots, cache, topk, n, fp4=fp4)
     if fp4:
-        mxfp4_k_norm_quant_insert(index_k, kw, kb, EPS, slots, cache, topk, n)
         # kv_cache_as_quant_view (sparse_attn_indexer.py) for MXFP4.
         kv_view = cache.as_strided(
             (num_blocks, BLOCK, 1, entry), (cache.stride(0), entry, entry, 1)
         )
     else:
-        indexer_k_norm_quant_insert(index_k, kw, kb, EPS, slots, cache, topk, n)
         kv_view = cache.unsqueeze(-2)
 
     b = len(ctx_lens)
@@ -134,7 +132,7 @@ def test_deepgemm_paged_mqa_logits_reads_our_indexer_cache(fp4: bool, packed: bo
         q_in, kv_view, weights, context_lens, table, schedule, max_len
     ).float()
 
-    k = k_norm_reference(index_k, kw, kb, EPS).float()
+    k = reference.k_norm(index_k, kw, kb, EPS).float()
     got, ref, start = [], [], 0
     for i, c in enumerate(ctx_lens):
         scores = torch.relu(q[i, 0].float() @ k[start : start + c].T)  # [H, c]

@@ -22,15 +22,10 @@ from dsa_gpu_utils import (
 )
 
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
-from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import (
-    dsa_fused_prologue,
-    fused_prologue_reference,
-    mxfp4_fused_prologue,
-)
+from vllm.models.kimi_k3.nvidia.dsa_ops import reference
+from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import dsa_fused_prologue
 from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
-    indexer_k_insert_reference,
     indexer_k_norm_quant_insert,
-    mxfp4_k_norm_quant_insert,
 )
 
 pytestmark = [pytest.mark.gpu, requires_kernels]
@@ -46,19 +41,6 @@ def _topk(t: int) -> torch.Tensor:
     return torch.full((t + 8, 2048), 7, dtype=torch.int32, device="cuda")
 
 
-def _insert(fp4, mx, *args):
-    if fp4:
-        mxfp4_k_norm_quant_insert(*args)
-    else:
-        indexer_k_norm_quant_insert(*args, mx_scales=mx)
-
-
-def _prologue(fp4, mx, *args):
-    if fp4:
-        return mxfp4_fused_prologue(*args)
-    return dsa_fused_prologue(*args, mx_scales=mx)
-
-
 @pytest.mark.parametrize("fp4,mx", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("t", SIZES)
 def test_insert_matches_reference(t: int, fp4: bool, mx: bool):
@@ -70,8 +52,10 @@ def test_insert_matches_reference(t: int, fp4: bool, mx: bool):
     ref = got.clone()
     slots = random_slots(t, nb, seed=t + 1)
     topk, topk_ref = _topk(t), _topk(t)
-    _insert(fp4, mx, index_k, kw, kb, EPS, slots, got.index, topk, t)
-    indexer_k_insert_reference(
+    indexer_k_norm_quant_insert(
+        index_k, kw, kb, EPS, slots, got.index, topk, t, fp4=fp4, mx_scales=mx
+    )
+    reference.indexer_k_insert(
         index_k, kw, kb, EPS, slots, ref.index, topk_ref, t, fp4=fp4, mx_scales=mx
     )
     torch.cuda.synchronize()
@@ -95,10 +79,10 @@ def test_prologue_matches_reference(t: int, fp4: bool, mx: bool):
     idx_slots = random_slots(t, nb, seed=t + 2)
     topk, topk_ref = _topk(t), _topk(t)
     args = (q_c, kv_c, k_pe, index_k, qw, kvw, kw, kb, EPS)
-    q_out, kv_out = _prologue(
-        fp4, mx, *args, topk, got.mla, mla_slots, got.index, idx_slots
+    q_out, kv_out = dsa_fused_prologue(
+        *args, topk, got.mla, mla_slots, got.index, idx_slots, fp4=fp4, mx_scales=mx
     )
-    q_ref, kv_ref = fused_prologue_reference(
+    q_ref, kv_ref = reference.fused_prologue(
         *args, topk_ref, ref.mla, mla_slots, ref.index, idx_slots, fp4=fp4,
         mx_scales=mx,
     )  # fmt: skip
@@ -126,8 +110,10 @@ def test_short_slot_mapping_and_int32_slots(fp4: bool):
     ref = got.clone()
     slots = random_slots(33, 4, seed=5).int()
     topk, topk_ref = _topk(48), _topk(48)
-    _insert(fp4, False, index_k, kw, kb, EPS, slots, got.index, topk, 48)
-    indexer_k_insert_reference(
+    indexer_k_norm_quant_insert(
+        index_k, kw, kb, EPS, slots, got.index, topk, 48, fp4=fp4, mx_scales=False
+    )
+    reference.indexer_k_insert(
         index_k, kw, kb, EPS, slots, ref.index, topk_ref, 48, fp4=fp4
     )
     compare_index_values(got, ref, 33)
@@ -142,7 +128,7 @@ def test_graph_replay_writes_the_same_bytes():
     slots = random_slots(t, 3, seed=9)
     topk = _topk(t)
     args = (q_c, kv_c, k_pe, index_k, qw, kvw, kw, kb, EPS, topk)
-    q_e, _ = mxfp4_fused_prologue(*args, eager.mla, slots, eager.index, slots)
+    q_e, _ = dsa_fused_prologue(*args, eager.mla, slots, eager.index, slots, fp4=True)
     fp8_eager, fp8_graphed = PackedCaches(3, False), PackedCaches(3, False)
     indexer_k_norm_quant_insert(
         index_k, kw, kb, EPS, slots, fp8_eager.index, topk, t, mx_scales=False
@@ -150,7 +136,9 @@ def test_graph_replay_writes_the_same_bytes():
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q_g, _ = mxfp4_fused_prologue(*args, graphed.mla, slots, graphed.index, slots)
+        q_g, _ = dsa_fused_prologue(
+            *args, graphed.mla, slots, graphed.index, slots, fp4=True
+        )
         indexer_k_norm_quant_insert(
             index_k, kw, kb, EPS, slots, fp8_graphed.index, topk, t, mx_scales=False
         )
@@ -172,7 +160,7 @@ def test_profiling_run_touches_nothing():
     topk = _topk(t)
     q_out, kv_out = dsa_fused_prologue(q_c, kv_c, k_pe, index_k, qw, kvw, kw, kb,
                                        EPS, topk)  # fmt: skip
-    q_ref, kv_ref = fused_prologue_reference(
+    q_ref, kv_ref = reference.fused_prologue(
         q_c, kv_c, k_pe, index_k, qw, kvw, kw, kb, EPS, topk
     )
     assert_bf16_within_ulp(q_out, q_ref)
@@ -202,7 +190,7 @@ def test_out_of_range_slots_raise_or_are_skipped():
     indexer_k_norm_quant_insert(index_k, kw, kb, EPS, bad, caches.index, topk, t)
     ref = PackedCaches(1, False)
     ok = torch.tensor([0, -1, -1, 3], device="cuda")
-    indexer_k_insert_reference(index_k, kw, kb, EPS, ok, ref.index, topk.clone(), t)
+    reference.indexer_k_insert(index_k, kw, kb, EPS, ok, ref.index, topk.clone(), t)
     compare_index_values(caches, ref, 2)
 
 

@@ -7,14 +7,12 @@ import pytest
 import torch
 
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
-from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import (
-    fused_prologue_reference,
-    rms_norm_reference,
-)
+from vllm.models.kimi_k3.nvidia.dsa_ops import reference
+from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import dsa_fused_prologue
 from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
     check_slot_bounds,
-    indexer_k_insert_reference,
-    k_norm_reference,
+    indexer_k_norm_quant_insert,
+    resolve_mx_scales,
 )
 
 SENTINEL = 0xA5
@@ -56,12 +54,12 @@ def test_both_scale_encodings():
 def test_constant_row_layer_norm_is_bias():
     bias = torch.linspace(-1, 1, D)
     x = torch.full((2, D), 3.25).bfloat16()
-    out = k_norm_reference(x, torch.randn(D), bias, 1e-5)
+    out = reference.k_norm(x, torch.randn(D), bias, 1e-5)
     assert torch.equal(out, bias.bfloat16().expand(2, D))
 
 
 def test_all_zero_row_is_finite():
-    k = k_norm_reference(
+    k = reference.k_norm(
         torch.zeros(1, D).bfloat16(), torch.ones(D), torch.zeros(D), 1e-5
     )
     assert torch.isfinite(k.float()).all() and not k.float().any()
@@ -107,8 +105,8 @@ def test_insert_layout_skips_and_topk_fill(fp4: bool):
     w, b = torch.rand(D) + 0.5, torch.randn(D) * 0.1
     slots = torch.tensor([65, -1, 0, 130])
     topk = torch.full((6, 16), 7, dtype=torch.int32)
-    indexer_k_insert_reference(x, w, b, 1e-5, slots, cache, topk, 5, fp4=fp4)
-    k = k_norm_reference(x, w, b, 1e-5)
+    reference.indexer_k_insert(x, w, b, 1e-5, slots, cache, topk, 5, fp4=fp4)
+    k = reference.k_norm(x, w, b, 1e-5)
     if fp4:
         vals, scales = F.mxfp4_quantize_rows(k)
     else:
@@ -130,7 +128,7 @@ def test_insert_empty_cache_touches_nothing():
     cache = torch.empty((0, 64, 132), dtype=torch.uint8)
     topk = torch.full((4, 8), 7, dtype=torch.int32)
     x = torch.randn(2, D).bfloat16()
-    indexer_k_insert_reference(
+    reference.indexer_k_insert(
         x, torch.ones(D), torch.zeros(D), 1e-5, torch.tensor([0, 1]), cache, topk, 2
     )
     assert (topk == 7).all()
@@ -142,6 +140,34 @@ def test_check_slot_bounds():
     for bad in ([128], [-2]):
         with pytest.raises(ValueError, match="slots"):
             check_slot_bounds(torch.tensor(bad), cache)
+
+
+def test_mx_scales_choice():
+    cpu = torch.device("cpu")
+    assert resolve_mx_scales(False, None, cpu) is False  # CPU: fp32 words
+    assert resolve_mx_scales(False, True, cpu) is True
+    assert resolve_mx_scales(True, None, cpu) is False
+    assert resolve_mx_scales(True, False, cpu) is False
+    with pytest.raises(ValueError, match="mx_scales"):
+        resolve_mx_scales(True, True, cpu)
+
+
+def test_fp4_with_mx_scales_is_refused_before_launch():
+    """The entry points refuse the pair before they need the extension."""
+    q_c, kv_c, k_pe, index_k, (qw, kvw, kw, kb) = _prologue_inputs(2)
+    topk = torch.full((2, 8), 7, dtype=torch.int32)
+    cache = torch.zeros((1, 64, 68), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="mx_scales"):
+        indexer_k_norm_quant_insert(
+            index_k, kw, kb, 1e-5, torch.tensor([0, 1]), cache, topk, 2,
+            fp4=True, mx_scales=True,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="mx_scales"):
+        dsa_fused_prologue(
+            q_c, kv_c, k_pe, index_k, qw, kvw, kw, kb, 1e-5, topk,
+            fp4=True, mx_scales=True,
+        )  # fmt: skip
+    assert (topk == 7).all() and not cache.any()
 
 
 def test_fp8_ds_mla_entry_layout():
@@ -177,16 +203,16 @@ def test_prologue_reference_writes_both_caches(fp4: bool):
     idx = _cache(2, F.indexer_entry_bytes(D, fp4))
     topk = torch.full((4, 32), 7, dtype=torch.int32)
     mla_slots, idx_slots = torch.tensor([70, -1, 3]), torch.tensor([5, 64, -1])
-    q_out, kv_out = fused_prologue_reference(
+    q_out, kv_out = reference.fused_prologue(
         q_c, kv_c, k_pe, index_k, qw, kvw, kw, kb, 1e-5, topk,
         mla, mla_slots, idx, idx_slots, fp4=fp4,
     )  # fmt: skip
-    assert torch.equal(q_out, rms_norm_reference(q_c, qw, 1e-5))
+    assert torch.equal(q_out, reference.rms_norm(q_c, qw, 1e-5))
     entries = F.fp8_ds_mla_entry(kv_out, k_pe)
     assert torch.equal(mla[1, 6], entries[0]) and torch.equal(mla[0, 3], entries[2])
     assert (mla[0, :3] == SENTINEL).all() and (mla[1, 7:] == SENTINEL).all()
     expect_idx = _cache(2, F.indexer_entry_bytes(D, fp4))
-    indexer_k_insert_reference(
+    reference.indexer_k_insert(
         index_k, kw, kb, 1e-5, idx_slots, expect_idx, topk.clone(), 0, fp4=fp4
     )
     assert torch.equal(idx, expect_idx)
@@ -196,10 +222,10 @@ def test_prologue_reference_writes_both_caches(fp4: bool):
 def test_prologue_reference_profiling_only_normalizes():
     q_c, kv_c, k_pe, index_k, (qw, kvw, kw, kb) = _prologue_inputs(2)
     topk = torch.full((2, 8), 7, dtype=torch.int32)
-    q_out, kv_out = fused_prologue_reference(
+    q_out, kv_out = reference.fused_prologue(
         q_c, kv_c, k_pe, index_k, qw, kvw, kw, kb, 1e-5, topk
     )
-    assert torch.equal(kv_out, rms_norm_reference(kv_c, kvw, 1e-5))
+    assert torch.equal(kv_out, reference.rms_norm(kv_c, kvw, 1e-5))
     assert (topk == 7).all()
 
 

@@ -34,16 +34,12 @@ def _code_mismatch_fraction(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("num_tokens", [1, 37, 512])
 def test_packed_composition_matches_unpacked(num_tokens: int):
-    from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import (
-        dsa_fused_prologue,
-        rms_norm_reference,
-    )
+    from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import dsa_fused_prologue
     from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
         indexer_k_norm_quant_insert,
     )
-    from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_q_quant import (
-        indexer_q_quant_fold_weights,
-    )
+    from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_q_quant import indexer_q_quant
+    from vllm.models.kimi_k3.nvidia.dsa_ops.reference import rms_norm
 
     gen = torch.Generator().manual_seed(num_tokens)
     dev, bf16 = "cuda", torch.bfloat16
@@ -99,15 +95,15 @@ def test_packed_composition_matches_unpacked(num_tokens: int):
     )
     z = torch.nn.functional.linear(q_c_f, packed_q)
     q_f, index_q_f = z.split([LOCAL_HEADS * QK_HEAD, INDEX_HEADS * INDEX_DIM], -1)
-    q8_f, qw_f = indexer_q_quant_fold_weights(
+    q8_f, scale_f, qw_f = indexer_q_quant(
         index_q_f.view(-1, INDEX_HEADS, INDEX_DIM), index_w, weight_scale, 32
     )
 
     # Unpacked: six GEMMs, torch norms, reference MLA writer, separate insert.
     mla_u, index_u, topk_u = caches()
-    q_c_u = rms_norm_reference(torch.nn.functional.linear(x, w_qa), q_norm_w, EPS)
+    q_c_u = rms_norm(torch.nn.functional.linear(x, w_qa), q_norm_w, EPS)
     kv = torch.nn.functional.linear(x, w_kva)
-    kv_c_u = rms_norm_reference(kv[:, :KV_LORA], kv_norm_w, EPS)
+    kv_c_u = rms_norm(kv[:, :KV_LORA], kv_norm_w, EPS)
     keep = mla_slots >= 0
     entries = fp8_ds_mla_entry(kv_c_u, kv[:, KV_LORA:].contiguous())[keep]
     mla_u.view(-1, 656)[mla_slots[keep]] = entries
@@ -122,7 +118,7 @@ def test_packed_composition_matches_unpacked(num_tokens: int):
         num_tokens,
     )
     q_u = torch.nn.functional.linear(q_c_u, w_qb)
-    q8_u, qw_u = indexer_q_quant_fold_weights(
+    q8_u, scale_u, qw_u = indexer_q_quant(
         torch.nn.functional.linear(q_c_u, w_qi).view(-1, INDEX_HEADS, INDEX_DIM),
         torch.nn.functional.linear(x, w_wp),
         weight_scale,
@@ -149,6 +145,7 @@ def test_packed_composition_matches_unpacked(num_tokens: int):
         _code_mismatch_fraction(q8_f.view(torch.uint8), q8_u.view(torch.uint8)) < 1e-3
     )
     torch.testing.assert_close(qw_f, qw_u, atol=0, rtol=2**-6)
+    assert scale_f is None and scale_u is None  # fp8: folded into the weights
 
 
 def _written(slots: torch.Tensor, num_blocks: int) -> torch.Tensor:

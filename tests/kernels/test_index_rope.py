@@ -10,7 +10,8 @@ import pytest
 import torch
 from dsa_gpu_utils import requires_cuda
 
-from vllm.models.kimi_k3.nvidia.dsa_ops.index_rope import index_rope, index_rope_ref
+from vllm.models.kimi_k3.nvidia.dsa_ops import reference
+from vllm.models.kimi_k3.nvidia.dsa_ops.index_rope import index_rope
 
 
 def rope_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> torch.Tensor:
@@ -84,7 +85,7 @@ def test_reference_matches_complex_rotation(interleave: bool, rope_dim: int) -> 
     k = torch.randn(9, 128)
     want_q = rope_complex(q, pos, cache, rope_dim, interleave)
     want_k = rope_complex(k, pos, cache, rope_dim, interleave)
-    index_rope_ref(q, k, pos, cache, rope_dim, interleave)
+    reference.index_rope(q, k, pos, cache, rope_dim, interleave)
     torch.testing.assert_close(q.double(), want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k.double(), want_k, rtol=1e-5, atol=1e-5)
 
@@ -158,7 +159,7 @@ def test_gpu_matches_reference(
     want = row.clone()
     wq = want[:, 16 : 16 + num_heads * d].view(num_tokens, num_heads, d)
     wk = want[:, 16 + num_heads * d : 16 + num_heads * d + d]
-    index_rope_ref(wq, wk, pos, cache, rope_dim, interleave)
+    reference.index_rope(wq, wk, pos, cache, rope_dim, interleave)
     index_rope(q, k, pos, cache, rope_dim, interleave)
     torch.cuda.synchronize()
     # Bit-exact, and the padding around the views is untouched.
@@ -175,7 +176,7 @@ def test_gpu_large_positions_and_odd_heads() -> None:
     k = torch.randn(3, 128, device="cuda").bfloat16()
     q2, k2 = q.clone(), k.clone()
     index_rope(q, k, pos, cache, 64, False)
-    index_rope_ref(q2, k2, pos, cache, 64, False)
+    reference.index_rope(q2, k2, pos, cache, 64, False)
     assert torch.equal(q, q2) and torch.equal(k, k2)
 
 

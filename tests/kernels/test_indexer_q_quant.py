@@ -15,6 +15,7 @@ import pytest
 import torch
 from dsa_gpu_utils import requires_cuda
 
+from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 from vllm.models.kimi_k3.nvidia.dsa_ops.formats import (
     e2m1_decode,
     indexer_block_views,
@@ -24,12 +25,7 @@ from vllm.models.kimi_k3.nvidia.dsa_ops.formats import (
     mxfp4_quantize_rows,
     use_mx_scales,
 )
-from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_q_quant import (
-    indexer_q_quant_fold_weights,
-    indexer_q_quant_fold_weights_ref,
-    mxfp4_q_quant,
-    mxfp4_q_quant_ref,
-)
+from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_q_quant import indexer_q_quant
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Kimi K3.1: 32 indexer heads of 128, softmax scale 128**-0.5, head scale 32**-0.5.
@@ -89,8 +85,9 @@ def test_fp8_hand_worked() -> None:
     # Head 2: all zero -> amax floor 1e-4 -> 1e-4/448 = 2^-22.1 -> 2^-22.
     q[0, 2] = 0.0
     w = torch.tensor([[2.0, 3.0, 5.0]])
-    q_fp8, weights = indexer_q_quant_fold_weights_ref(q, w, 0.25, 32)
+    q_fp8, q_scale, weights = reference.indexer_q_quant(q, w, 0.25, 32)
 
+    assert q_scale is None
     assert q_fp8.dtype == torch.float8_e4m3fn and q_fp8.shape == (1, 32, HEAD_DIM)
     assert weights.dtype == torch.float32 and weights.shape == (1, 32)
     vals = q_fp8.float()
@@ -110,7 +107,7 @@ def test_fp8_scale_rounds_up_at_power_of_two_boundary() -> None:
     q[0, 0, 0] = 448.0 * 8
     q[0, 1, 0] = torch.nextafter(torch.tensor(448.0 * 8), torch.tensor(1e9))
     w = torch.ones(1, 2)
-    q_fp8, weights = indexer_q_quant_fold_weights_ref(q, w, 1.0, 32)
+    q_fp8, _, weights = reference.indexer_q_quant(q, w, 1.0, 32)
     assert weights[0, :2].tolist() == [8.0, 16.0]
     assert q_fp8.float()[0, 0, 0].item() == 448.0
     assert q_fp8.float()[0, 1, 0].item() == 224.0
@@ -121,7 +118,7 @@ def test_fp8_fold_preserves_the_score() -> None:
     torch.manual_seed(0)
     q, w = gemm_views(9, 32, "cpu", strided=True)
     k = torch.randn(300, HEAD_DIM).bfloat16()
-    q_fp8, weights = indexer_q_quant_fold_weights(q, w, WEIGHT_SCALE, 32)
+    q_fp8, _, weights = indexer_q_quant(q, w, WEIGHT_SCALE, 32)
     got = mqa_logits_ref(q_fp8.float(), k.float(), weights, 1.0)
     want = mqa_logits_ref(q.float(), k.float(), w.float(), WEIGHT_SCALE)
     assert calc_diff(got, want) < 1e-3
@@ -138,7 +135,7 @@ def test_mxfp4_hand_worked() -> None:
     q[0, 0, 64] = 7.0
     # Block 3: zero -> floor 6 * 2^-126 -> 2^-126 (UE8M0 1).
     w = torch.tensor([[3.0]])
-    packed, q_scale, weights = mxfp4_q_quant_ref(q, w, 0.5, 32)
+    packed, q_scale, weights = reference.indexer_q_quant(q, w, 0.5, 32, fp4=True)
 
     assert packed.dtype == torch.uint8 and packed.shape == (1, 32, HEAD_DIM // 2)
     assert q_scale.dtype == torch.int32 and q_scale.shape == (1, 32)
@@ -156,7 +153,7 @@ def test_mxfp4_hand_worked() -> None:
 def test_mxfp4_dequantizes_within_half_a_step() -> None:
     torch.manual_seed(1)
     q, w = gemm_views(5, 20, "cpu", strided=True)
-    packed, q_scale, weights = mxfp4_q_quant(q, w, WEIGHT_SCALE, 32)
+    packed, q_scale, weights = indexer_q_quant(q, w, WEIGHT_SCALE, 32, fp4=True)
     scales = q_scale.contiguous().view(torch.uint8).view(5, 32, 4)
     deq = mxfp4_dequantize_rows(packed, scales)[:, :20]
     x = q.float()
@@ -170,15 +167,11 @@ def test_mxfp4_dequantizes_within_half_a_step() -> None:
     assert e2m1_decode(nibbles).abs().max() == 6.0
 
 
-@pytest.mark.parametrize("op", ["fp8", "mxfp4"])
-def test_zero_tokens(op: str) -> None:
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8", "mxfp4"])
+def test_zero_tokens(fp4: bool) -> None:
     q = torch.zeros(0, 32, HEAD_DIM, dtype=torch.bfloat16)
     w = torch.zeros(0, 32, dtype=torch.bfloat16)
-    out = (
-        indexer_q_quant_fold_weights(q, w, 1.0, 64)
-        if op == "fp8"
-        else mxfp4_q_quant(q, w, 1.0, 64)
-    )
+    out = indexer_q_quant(q, w, 1.0, 64, fp4=fp4)
     assert out[0].shape[:2] == (0, 64) and out[-1].shape == (0, 64)
 
 
@@ -196,17 +189,17 @@ def _bad_inputs(device: str) -> list[tuple]:
     ]
 
 
-@pytest.mark.parametrize("op", [indexer_q_quant_fold_weights, mxfp4_q_quant])
-def test_bad_inputs_raise(op) -> None:
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8", "mxfp4"])
+def test_bad_inputs_raise(fp4: bool) -> None:
     for q, w, padded, exc in _bad_inputs("cpu"):
         with pytest.raises(exc):
-            op(q, w, 1.0, padded)
+            indexer_q_quant(q, w, 1.0, padded, fp4=fp4)
 
 
 def test_mxfp4_needs_head_dim_128() -> None:
     q = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head dim must be 128"):
-        mxfp4_q_quant(q, torch.zeros(2, 32), 1.0, 32)
+        indexer_q_quant(q, torch.zeros(2, 32), 1.0, 32, fp4=True)
 
 
 @pytest.mark.slow
@@ -219,6 +212,7 @@ def test_mxfp4_triton_kernel_under_interpreter() -> None:
         """
         import torch
         from vllm.models.kimi_k3.nvidia.dsa_ops import indexer_q_quant as m
+        from vllm.models.kimi_k3.nvidia.dsa_ops import reference
         torch.manual_seed(0)
         # An even row stride takes the bf16-pair path, an odd one the
         # element path; fp32 input the element path too.
@@ -231,7 +225,7 @@ def test_mxfp4_triton_kernel_under_interpreter() -> None:
             pairs = extra == 10 and dtype == torch.bfloat16
             assert (m._as_bf16_pairs(q) is not None) == pairs
             got = m._mxfp4_q_quant_triton(q, w, 0.0625, hp)
-            want = m.mxfp4_q_quant_ref(q, w, 0.0625, hp)
+            want = reference.indexer_q_quant(q, w, 0.0625, hp, fp4=True)
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (t, h, hp)
         print("OK")
         """
@@ -263,6 +257,23 @@ def _poison_allocator() -> None:
     del junk
 
 
+def _assert_both_formats_match_reference(
+    q: torch.Tensor, w: torch.Tensor, padded_heads: int
+) -> None:
+    """fp8 and MXFP4 outputs equal to the reference's (fp8 codes compared as
+    bytes; no ``q_scale`` for fp8)."""
+    for fp4 in (False, True):
+        got = indexer_q_quant(q, w, WEIGHT_SCALE, padded_heads, fp4=fp4)
+        want = reference.indexer_q_quant(q, w, WEIGHT_SCALE, padded_heads, fp4=fp4)
+        assert (got[1] is None) == (want[1] is None) == (not fp4)
+        for x, y in zip(got, want, strict=True):
+            if x is None:
+                continue
+            if x.dtype == torch.float8_e4m3fn:
+                x, y = x.view(torch.uint8), y.view(torch.uint8)
+            assert torch.equal(x, y)
+
+
 # Token counts on both sides of the tiling thresholds (1024, 4096).
 SHAPES = [
     (1, 32, 32),
@@ -282,8 +293,9 @@ def test_gpu_fp8_matches_reference(num_tokens, num_heads, padded, strided) -> No
     torch.manual_seed(num_tokens * 131 + num_heads)
     q, w = gemm_views(num_tokens, num_heads, "cuda", strided)
     _poison_allocator()
-    q_fp8, weights = indexer_q_quant_fold_weights(q, w, WEIGHT_SCALE, padded)
-    ref_q, ref_w = indexer_q_quant_fold_weights_ref(q, w, WEIGHT_SCALE, padded)
+    q_fp8, q_scale, weights = indexer_q_quant(q, w, WEIGHT_SCALE, padded)
+    ref_q, ref_scale, ref_w = reference.indexer_q_quant(q, w, WEIGHT_SCALE, padded)
+    assert q_scale is None and ref_scale is None
     assert q_fp8.shape == (num_tokens, padded, HEAD_DIM) and q_fp8.is_contiguous()
     assert torch.equal(q_fp8.view(torch.uint8), ref_q.view(torch.uint8))
     assert torch.equal(weights, ref_w)
@@ -299,8 +311,8 @@ def test_gpu_mxfp4_matches_reference(num_tokens, num_heads, padded, strided) -> 
     torch.manual_seed(num_tokens * 137 + num_heads)
     q, w = gemm_views(num_tokens, num_heads, "cuda", strided)
     _poison_allocator()
-    packed, q_scale, weights = mxfp4_q_quant(q, w, WEIGHT_SCALE, padded)
-    ref = mxfp4_q_quant_ref(q, w, WEIGHT_SCALE, padded)
+    packed, q_scale, weights = indexer_q_quant(q, w, WEIGHT_SCALE, padded, fp4=True)
+    ref = reference.indexer_q_quant(q, w, WEIGHT_SCALE, padded, fp4=True)
     assert packed.shape == (num_tokens, padded, HEAD_DIM // 2)
     assert q_scale.shape == (num_tokens, padded) and q_scale.dtype == torch.int32
     assert torch.equal(packed, ref[0])
@@ -319,13 +331,7 @@ def test_gpu_unaligned_and_other_dtypes_match_reference(dtype) -> None:
     row = torch.randn(37, 1 + 20 * HEAD_DIM + 20 + 2, device="cuda").to(dtype)
     q = row[:, 1 : 1 + 20 * HEAD_DIM].view(37, 20, HEAD_DIM)
     w = row[:, 1 + 20 * HEAD_DIM : 1 + 20 * HEAD_DIM + 20]
-    a = indexer_q_quant_fold_weights(q, w, WEIGHT_SCALE, 32)
-    b = indexer_q_quant_fold_weights_ref(q, w, WEIGHT_SCALE, 32)
-    assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
-    assert torch.equal(a[1], b[1])
-    a = mxfp4_q_quant(q, w, WEIGHT_SCALE, 32)
-    b = mxfp4_q_quant_ref(q, w, WEIGHT_SCALE, 32)
-    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    _assert_both_formats_match_reference(q, w, 32)
 
 
 @pytest.mark.gpu
@@ -340,13 +346,7 @@ def test_gpu_every_tiling_matches_reference(block_h, monkeypatch) -> None:
     torch.manual_seed(block_h)
     q, w = gemm_views(33, 20, "cuda", strided=True)
     for padded in (32, 64):
-        a = indexer_q_quant_fold_weights(q, w, WEIGHT_SCALE, padded)
-        b = indexer_q_quant_fold_weights_ref(q, w, WEIGHT_SCALE, padded)
-        assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
-        assert torch.equal(a[1], b[1])
-        a = mxfp4_q_quant(q, w, WEIGHT_SCALE, padded)
-        b = mxfp4_q_quant_ref(q, w, WEIGHT_SCALE, padded)
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        _assert_both_formats_match_reference(q, w, padded)
 
 
 @pytest.mark.gpu
@@ -361,25 +361,19 @@ def test_gpu_extreme_values_match_reference() -> None:
     q[3, :, :8] = torch.tensor([448, 1.0625, 1.1875, 0.25, 0.75, 2.5, 3.5, 5.0])
     q = q.bfloat16()
     w = torch.randn(16, 32, device="cuda").bfloat16()
-    a = indexer_q_quant_fold_weights(q, w, WEIGHT_SCALE, 32)
-    b = indexer_q_quant_fold_weights_ref(q, w, WEIGHT_SCALE, 32)
-    assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
-    assert torch.equal(a[1], b[1])
-    a = mxfp4_q_quant(q, w, WEIGHT_SCALE, 32)
-    b = mxfp4_q_quant_ref(q, w, WEIGHT_SCALE, 32)
-    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    _assert_both_formats_match_reference(q, w, 32)
 
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("op", [indexer_q_quant_fold_weights, mxfp4_q_quant])
-def test_gpu_bad_inputs_raise(op) -> None:
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8", "mxfp4"])
+def test_gpu_bad_inputs_raise(fp4: bool) -> None:
     for q, w, padded, exc in _bad_inputs("cuda"):
         with pytest.raises(exc):
-            op(q, w, 1.0, padded)
+            indexer_q_quant(q, w, 1.0, padded, fp4=fp4)
     q = torch.zeros(4, 32, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="different devices"):
-        op(q, torch.zeros(4, 32), 1.0, 32)
+        indexer_q_quant(q, torch.zeros(4, 32), 1.0, 32, fp4=fp4)
 
 
 # ---------------------------------------------------------------------------
@@ -403,18 +397,16 @@ def _deep_gemm():
 def _logits_inputs(q, w, k, use_fp4: bool):
     """Our quantized query and the key side in the reader's scale form."""
     mx = use_mx_scales(q.device)
+    q_quant, q_sf, weights = indexer_q_quant(q, w, WEIGHT_SCALE, 32, fp4=use_fp4)
     if use_fp4:
-        packed, q_sf, weights = mxfp4_q_quant(q, w, WEIGHT_SCALE, 32)
-        q_pair = (packed.view(torch.int8), q_sf)
+        q_pair = (q_quant.view(torch.int8), q_sf)
     else:
-        q_fp8, weights = indexer_q_quant_fold_weights(q, w, WEIGHT_SCALE, 32)
-        q_sf = None
         if mx:
             # SM100 reads MX-scaled fp8: unit UE8M0 scales (the power-of-two
             # query scale lives in the weights), as vLLM's mqa_logits_mx_inputs.
-            q_sf = torch.full(q_fp8.shape[:2], 0x7F7F7F7F, dtype=torch.int32)
+            q_sf = torch.full(q_quant.shape[:2], 0x7F7F7F7F, dtype=torch.int32)
             q_sf = q_sf.to(q.device)
-        q_pair = (q_fp8, q_sf)
+        q_pair = (q_quant, q_sf)
     weights = weights.bfloat16() if mx else weights
     if use_fp4:
         k_packed, k_ue8m0 = mxfp4_quantize_rows(k)

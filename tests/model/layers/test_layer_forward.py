@@ -199,13 +199,13 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
     q_c_normed = torch.randn(3, 1536)
     kv_c_normed = torch.randn(3, 512)
 
-    def prologue(*args):
+    def prologue(*args, **kwargs):
         calls["prologue"] = args
+        calls["prologue_kwargs"] = kwargs
         return q_c_normed, kv_c_normed
 
     fused_prologue = types.ModuleType("fused_prologue")
     fused_prologue.dsa_fused_prologue = prologue
-    fused_prologue.mxfp4_fused_prologue = None
     monkeypatch.setattr(DF, "fused_prologue", fused_prologue)
     monkeypatch.setattr(indexer, "score", lambda *args: calls.setdefault("score", args))
     impl = layer.mla_attn.mla_attn.impl
@@ -235,6 +235,8 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
     assert args[8] == indexer.k_index_norm.eps
     assert args[9] is indexer.topk_indices_buffer
     assert args[10:] == (None, None, None, None)  # dummy run: no caches
+    assert indexer.use_fp4_cache is False
+    assert calls["prologue_kwargs"] == {"fp4": False}
 
     score_hidden, index_q, index_weights, score_k = calls["score"]
     assert score_hidden is hidden and score_k is None
@@ -379,8 +381,8 @@ def test_fused_insert_needs_the_extension(dsa_layer_env, monkeypatch):
     monkeypatch.setattr(DI, "_extension_loaded", lambda: False)
     indexer = build_indexer(dsa_layer_env)
     assert not indexer.use_fused_k_insert
-    import vllm.models.kimi_k3.common.dsa_cache as dsa_cache
+    import vllm.models.kimi_k3.common.dsa_settings as dsa_settings
 
-    monkeypatch.setattr(dsa_cache, "kimi_k3_indexer_uses_fp4", lambda cfg: True)
+    monkeypatch.setattr(dsa_settings, "indexer_uses_fp4", lambda cfg: True)
     with pytest.raises(NotImplementedError, match="vllm._kimi_k3_C extension built"):
         build_indexer(dsa_layer_env)

@@ -19,9 +19,12 @@ as vLLM's ``RotaryEmbedding.cos_sin_cache``; ``half = rope_dim // 2``)::
 
 in fp32 (separately rounded products, no fused multiply-add), cast back to
 the input dtype, written in place; dims ``rope_dim ..`` are untouched.
+``reference.index_rope`` is the contract the Triton kernel is tested against.
 """
 
 import torch
+
+from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 
 try:
     import triton
@@ -78,49 +81,6 @@ def _check_inputs(
     devices = {index_q.device, index_k.device, positions.device, cos_sin_cache.device}
     if len(devices) != 1:
         raise ValueError(f"index_rope: inputs are on different devices: {devices}")
-
-
-def _rotate_(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rope_dim: int,
-    interleave: bool,
-) -> None:
-    half = rope_dim // 2
-    xr = x[..., :rope_dim].float()
-    if interleave:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-    else:
-        x1, x2 = xr[..., :half], xr[..., half:]
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    if interleave:
-        out = torch.stack((o1, o2), dim=-1).flatten(-2)
-    else:
-        out = torch.cat((o1, o2), dim=-1)
-    x[..., :rope_dim] = out.to(x.dtype)
-
-
-def index_rope_ref(
-    index_q: torch.Tensor,
-    index_k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    rope_dim: int,
-    interleave: bool,
-) -> None:
-    """Reference of ``index_rope`` (any device, in place)."""
-    _check_inputs(index_q, index_k, positions, cos_sin_cache, rope_dim)
-    if rope_dim == 0 or index_q.shape[0] == 0:
-        return
-    half = rope_dim // 2
-    sin_start = cos_sin_cache.shape[1] // 2
-    rows = cos_sin_cache[positions.long()].float()
-    cos = rows[:, :half]
-    sin = rows[:, sin_start : sin_start + half]
-    _rotate_(index_q, cos[:, None, :], sin[:, None, :], rope_dim, interleave)
-    _rotate_(index_k, cos, sin, rope_dim, interleave)
 
 
 if HAS_TRITON:
@@ -204,7 +164,9 @@ def index_rope(
     if rope_dim == 0 or num_tokens == 0:
         return
     if not index_q.is_cuda or not HAS_TRITON:
-        index_rope_ref(index_q, index_k, positions, cos_sin_cache, rope_dim, interleave)
+        reference.index_rope(
+            index_q, index_k, positions, cos_sin_cache, rope_dim, interleave
+        )
         return
     _index_rope_triton(index_q, index_k, positions, cos_sin_cache, rope_dim, interleave)
 

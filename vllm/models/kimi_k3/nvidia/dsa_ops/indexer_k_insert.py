@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Indexer key k-norm -> quantize -> paged insert, and its reference.
+"""Indexer key k-norm -> quantize -> paged insert (CUDA).
 
-The CUDA kernel (``csrc/kimi_k3/indexer_k_insert.cu``) and the pure-torch
-reference below write the same bytes; the reference is the contract.
+The kernel (``csrc/kimi_k3/indexer_k_insert.cu``) writes the bytes of
+``reference.indexer_k_insert``, its contract.
 
 Semantics, per token ``t < slot_mapping.numel()`` with ``slot >= 0``:
 
@@ -34,12 +34,7 @@ default and always skipped while a CUDA graph is being captured).
 import torch
 
 from vllm.models.kimi_k3.nvidia.dsa_ops._extension import kimi_k3_ops
-from vllm.models.kimi_k3.nvidia.dsa_ops.formats import (
-    indexer_block_views,
-    indexer_fp8_entry,
-    mxfp4_quantize_rows,
-    use_mx_scales,
-)
+from vllm.models.kimi_k3.nvidia.dsa_ops.formats import use_mx_scales
 
 
 def check_slot_bounds(slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -59,7 +54,23 @@ def check_slot_bounds(slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> Non
         )
 
 
-def _insert(
+def resolve_mx_scales(fp4: bool, mx_scales: bool | None, device: torch.device) -> bool:
+    """The scale word of fp8 keys: ``None`` follows the device's DeepGEMM
+    (UE8M0 x4 on SM10x, fp32 elsewhere). MXFP4 keys have UE8M0 block bytes
+    and no scale word, so ``mx_scales=True`` is refused with ``fp4``."""
+    if fp4:
+        if mx_scales:
+            raise ValueError(
+                "mx_scales=True is an fp8 scale word; MXFP4 keys (fp4=True) "
+                "carry UE8M0 block scales already"
+            )
+        return False
+    if mx_scales is None:
+        return use_mx_scales(device)
+    return mx_scales
+
+
+def indexer_k_norm_quant_insert(
     index_k: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
@@ -68,10 +79,15 @@ def _insert(
     kv_cache: torch.Tensor,
     topk_indices_buffer: torch.Tensor,
     num_tokens: int,
-    fp4: bool,
-    mx_scales: bool,
-    check_slots: bool,
+    *,
+    fp4: bool = False,
+    mx_scales: bool | None = None,
+    check_slots: bool = False,
 ) -> None:
+    """Indexer key insert (CUDA): fp8 keys (132 bytes per token at head dim
+    128) or, with ``fp4``, MXFP4 keys (68 bytes). ``mx_scales=None`` picks
+    the fp8 scale word the device's DeepGEMM reads."""
+    mx_scales = resolve_mx_scales(fp4, mx_scales, kv_cache.device)
     if check_slots:
         check_slot_bounds(slot_mapping, kv_cache)
     kimi_k3_ops().indexer_k_norm_quant_insert(
@@ -86,119 +102,3 @@ def _insert(
         fp4,
         mx_scales,
     )
-
-
-def indexer_k_norm_quant_insert(
-    index_k: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float,
-    slot_mapping: torch.Tensor,
-    kv_cache: torch.Tensor,
-    topk_indices_buffer: torch.Tensor,
-    num_tokens: int,
-    mx_scales: bool | None = None,
-    check_slots: bool = False,
-) -> None:
-    """fp8 indexer key insert (CUDA). ``mx_scales=None`` picks the scale
-    word the device's DeepGEMM reads (UE8M0 x4 on SM10x, fp32 elsewhere)."""
-    if mx_scales is None:
-        mx_scales = use_mx_scales(kv_cache.device)
-    _insert(
-        index_k,
-        weight,
-        bias,
-        eps,
-        slot_mapping,
-        kv_cache,
-        topk_indices_buffer,
-        num_tokens,
-        False,
-        mx_scales,
-        check_slots,
-    )
-
-
-def mxfp4_k_norm_quant_insert(
-    index_k: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float,
-    slot_mapping: torch.Tensor,
-    kv_cache: torch.Tensor,
-    topk_indices_buffer: torch.Tensor,
-    num_tokens: int,
-    check_slots: bool = False,
-) -> None:
-    """MXFP4 indexer key insert (CUDA), 68 bytes per token at head dim 128."""
-    _insert(
-        index_k,
-        weight,
-        bias,
-        eps,
-        slot_mapping,
-        kv_cache,
-        topk_indices_buffer,
-        num_tokens,
-        True,
-        False,
-        check_slots,
-    )
-
-
-def k_norm_reference(
-    index_k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """Bias-full fp32 LayerNorm, returned in bf16 (the k-norm module)."""
-    k = torch.nn.functional.layer_norm(
-        index_k.float(), (index_k.shape[-1],), weight.float(), bias.float(), eps
-    )
-    return k.to(torch.bfloat16)
-
-
-def write_indexer_entries(
-    k: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache: torch.Tensor,
-    fp4: bool,
-    mx_scales: bool = False,
-) -> None:
-    """Quantize normed keys ``k [N, D]`` (bf16) into ``kv_cache`` at their
-    slots (-1 skipped); the byte layout is the module docstring's."""
-    n = slot_mapping.numel()
-    if n == 0 or kv_cache.numel() == 0:
-        return
-    head_dim = k.shape[-1]
-    if fp4:
-        values, scales = mxfp4_quantize_rows(k[:n])
-    else:
-        values, scales = indexer_fp8_entry(k[:n], mx_scales)
-    vview, sview = indexer_block_views(kv_cache, head_dim, fp4)
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    slots = slots[keep]
-    block_size = kv_cache.shape[1]
-    blk, off = slots // block_size, slots % block_size
-    vview[blk, off] = values[keep]
-    sview[blk, off] = scales[keep]
-
-
-def indexer_k_insert_reference(
-    index_k: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float,
-    slot_mapping: torch.Tensor,
-    kv_cache: torch.Tensor,
-    topk_indices_buffer: torch.Tensor,
-    num_tokens: int,
-    fp4: bool = False,
-    mx_scales: bool = False,
-) -> None:
-    """Pure-torch twin of both insert kernels (mutates its arguments)."""
-    if kv_cache.numel() == 0:
-        return
-    n = slot_mapping.numel()
-    k = k_norm_reference(index_k[:n], weight, bias, eps)
-    write_indexer_entries(k, slot_mapping, kv_cache, fp4, mx_scales)
-    topk_indices_buffer[:num_tokens] = -1

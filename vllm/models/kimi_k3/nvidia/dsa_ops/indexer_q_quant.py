@@ -5,47 +5,47 @@
 The indexer scores ``sum_h relu(q_h . k) * w_h`` with DeepGEMM's MQA logits,
 which takes exactly 32 or 64 heads, an fp8 query whose per-(token, head)
 scale is folded into fp32 weights (``q_scale`` None), or an MXFP4 query with
-its UE8M0 block scales beside it and weights without any query scale. These
-ops produce both forms from the bf16 GEMM outputs in one launch each, heads
-zero-padded, so no ``cat``/``pad``/scale-multiply chain runs between the
-query GEMM and the indexer op.
+its UE8M0 block scales beside it and weights without any query scale.
+``indexer_q_quant`` produces either form from the bf16 GEMM outputs in one
+launch, heads zero-padded, so no ``cat``/``pad``/scale-multiply chain runs
+between the query GEMM and the indexer op.
 
-Byte layouts (``T`` tokens, ``H`` real heads, ``Hp`` padded heads, ``D``
-head dim):
+Byte layouts of ``indexer_q_quant``'s ``(q_quant, q_scale, weights)``
+(``T`` tokens, ``H`` real heads, ``Hp`` padded heads, ``D`` head dim):
 
-``indexer_q_quant_fold_weights`` returns
-  - ``q_fp8`` float8_e4m3fn ``[T, Hp, D]`` contiguous: ``x / 2**e`` rounded
-    to nearest even, saturated at +-448, where per (token, head)
+fp8 (``fp4=False``)
+  - ``q_quant`` float8_e4m3fn ``[T, Hp, D]`` contiguous: ``x / 2**e``
+    rounded to nearest even, saturated at +-448, where per (token, head)
     ``e = ceil(log2(max(amax, 1e-4) / 448))`` (an exact power of two, the
     indexer-key convention of ``formats.fp8_pow2_scale_exponent``);
+  - ``q_scale`` None: the scale is folded into the weights;
   - ``weights`` fp32 ``[T, Hp]``: ``(w * 2**e) * weight_scale`` (fp32, the
     first product exact); the caller's ``weight_scale`` is
     ``softmax_scale * head_scale``.
 
-``mxfp4_q_quant`` returns
-  - ``q_packed`` uint8 ``[T, Hp, D / 2]``: e2m1 nibbles, byte ``i`` holds
+MXFP4 (``fp4=True``, ``D == 128``)
+  - ``q_quant`` uint8 ``[T, Hp, D / 2]``: e2m1 nibbles, byte ``i`` holds
     element ``2i`` in its low nibble and ``2i + 1`` in its high nibble;
-  - ``q_scale`` int32 ``[T, Hp]`` (``D == 128``): four UE8M0 bytes,
-    little-endian, byte ``b`` the biased exponent of values ``32b .. 32b+31``
+  - ``q_scale`` int32 ``[T, Hp]``: four UE8M0 bytes, little-endian, byte
+    ``b`` the biased exponent of values ``32b .. 32b+31``
     (``e = ceil(log2(max(amax, 6 * 2^-126) * (1/6)))``, clamped to +-127);
   - ``weights`` fp32 ``[T, Hp]``: ``w * weight_scale``, no query scale.
 
 Padded heads ``H .. Hp - 1`` are the quantization of an all-zero head with a
 zero weight: zero codes and zero weights (their scales are those of a zero
-row and never matter, since the weight is zero).
+row and never matter, since the weight is zero). ``reference.indexer_q_quant``
+is the contract the Triton kernels are tested against.
 """
 
 import torch
 
+from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 from vllm.models.kimi_k3.nvidia.dsa_ops.formats import (
     E2M1_MAX,
     FP8_AMAX_FLOOR,
     FP8_E4M3_MAX,
     MXFP4_AMAX_FLOOR,
     MXFP4_BLOCK_SIZE,
-    exp2_int,
-    fp8_quantize_rows,
-    mxfp4_quantize_rows,
 )
 from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import DEEPGEMM_INDEX_HEADS
 
@@ -67,8 +67,9 @@ def _check_inputs(
     index_q: torch.Tensor,
     index_weights: torch.Tensor,
     padded_heads: int,
-    op: str,
+    fp4: bool,
 ) -> None:
+    op = "indexer_q_quant"
     if index_q.dim() != 3:
         raise ValueError(f"{op}: index_q must be [T, H, D], got {index_q.shape}")
     num_tokens, num_heads, head_dim = index_q.shape
@@ -95,54 +96,10 @@ def _check_inputs(
         raise ValueError(f"{op}: {num_heads} heads do not fit in {padded_heads}")
     if head_dim == 0 or head_dim % MXFP4_BLOCK_SIZE != 0:
         raise ValueError(f"{op}: head dim must be a multiple of 32, got {head_dim}")
-
-
-def _pad_heads(x: torch.Tensor, padded_heads: int) -> torch.Tensor:
-    pad = padded_heads - x.shape[1]
-    if pad == 0:
-        return x
-    return torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
-
-
-# ---------------------------------------------------------------------------
-# Pure-torch references (the semantics, byte for byte).
-# ---------------------------------------------------------------------------
-
-
-def indexer_q_quant_fold_weights_ref(
-    index_q: torch.Tensor,
-    index_weights: torch.Tensor,
-    weight_scale: float,
-    padded_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of ``indexer_q_quant_fold_weights`` (any device)."""
-    _check_inputs(index_q, index_weights, padded_heads, "indexer_q_quant")
-    q = _pad_heads(index_q.float(), padded_heads)
-    w = _pad_heads(index_weights.float(), padded_heads)
-    codes, e = fp8_quantize_rows(q, q.shape[-1])
-    # A Python scalar multiplies an fp32 tensor as an fp32 value (as the
-    # kernel's fp32 argument), and keeps the reference CUDA-graph capturable.
-    weights = (w * exp2_int(e.squeeze(-1))) * float(weight_scale)
-    return codes.view(torch.float8_e4m3fn), weights
-
-
-def mxfp4_q_quant_ref(
-    index_q: torch.Tensor,
-    index_weights: torch.Tensor,
-    weight_scale: float,
-    padded_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference of ``mxfp4_q_quant`` (any device)."""
-    _check_inputs(index_q, index_weights, padded_heads, "mxfp4_q_quant")
-    if index_q.shape[-1] != MXFP4_HEAD_DIM:
+    if fp4 and head_dim != MXFP4_HEAD_DIM:
         raise ValueError(
-            f"mxfp4_q_quant: head dim must be {MXFP4_HEAD_DIM}, got {index_q.shape[-1]}"
+            f"{op}: with fp4=True the head dim must be {MXFP4_HEAD_DIM}, got {head_dim}"
         )
-    q = _pad_heads(index_q.float(), padded_heads)
-    w = _pad_heads(index_weights.float(), padded_heads)
-    packed, ue8m0 = mxfp4_quantize_rows(q)
-    q_scale = ue8m0.contiguous().view(torch.int32).squeeze(-1)
-    return packed, q_scale, w * float(weight_scale)
 
 
 # ---------------------------------------------------------------------------
@@ -339,31 +296,38 @@ def _as_bf16_pairs(index_q: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def indexer_q_quant_fold_weights(
+def indexer_q_quant(
     index_q: torch.Tensor,
     index_weights: torch.Tensor,
     weight_scale: float,
     padded_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 indexer query with its power-of-two scale folded into fp32 weights.
+    *,
+    fp4: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The indexer query as DeepGEMM's MQA logits read it, heads padded to
+    ``padded_heads``: fp8 with its power-of-two scale folded into fp32
+    weights, or, with ``fp4``, MXFP4 with its UE8M0 block scales beside it
+    (SM100 readers).
 
     ``index_q [T, H, D]`` and ``index_weights [T, H]`` may be strided views
-    of GEMM outputs. Returns ``(q_fp8 [T, padded_heads, D], weights fp32
-    [T, padded_heads])`` as described in the module docstring; the pair is
-    what ``sparse_attn_indexer`` takes with ``q_scale=None``. CPU tensors run
-    the reference.
+    of GEMM outputs. Returns ``(q_quant, q_scale, weights)`` as described in
+    the module docstring (``q_scale`` None for fp8): the triple
+    ``sparse_attn_indexer`` takes. CPU tensors run the reference.
     """
-    _check_inputs(index_q, index_weights, padded_heads, "indexer_q_quant")
+    _check_inputs(index_q, index_weights, padded_heads, fp4)
     if not index_q.is_cuda or not HAS_TRITON:
-        return indexer_q_quant_fold_weights_ref(
-            index_q, index_weights, weight_scale, padded_heads
+        return reference.indexer_q_quant(
+            index_q, index_weights, weight_scale, padded_heads, fp4=fp4
         )
-    return _indexer_q_quant_fold_weights_triton(
+    if fp4:
+        return _mxfp4_q_quant_triton(index_q, index_weights, weight_scale, padded_heads)
+    q_fp8, weights = _fp8_q_quant_triton(
         index_q, index_weights, weight_scale, padded_heads
     )
+    return q_fp8, None, weights
 
 
-def _indexer_q_quant_fold_weights_triton(
+def _fp8_q_quant_triton(
     index_q: torch.Tensor,
     index_weights: torch.Tensor,
     weight_scale: float,
@@ -400,29 +364,6 @@ def _indexer_q_quant_fold_weights_triton(
         num_warps=_NUM_WARPS,
     )
     return q_fp8, weights
-
-
-def mxfp4_q_quant(
-    index_q: torch.Tensor,
-    index_weights: torch.Tensor,
-    weight_scale: float,
-    padded_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """MXFP4 indexer query for DeepGEMM's fp8_fp4 MQA logits (SM100 readers).
-
-    Returns ``(q_packed uint8 [T, Hp, 64], q_scale int32 [T, Hp], weights
-    fp32 [T, Hp])`` for ``D == 128`` as described in the module docstring:
-    the ``(q_quant, q_scale, weights)`` that ``sparse_attn_indexer`` takes
-    with ``use_fp4_cache=True``. CPU tensors run the reference.
-    """
-    _check_inputs(index_q, index_weights, padded_heads, "mxfp4_q_quant")
-    if index_q.shape[-1] != MXFP4_HEAD_DIM:
-        raise ValueError(
-            f"mxfp4_q_quant: head dim must be {MXFP4_HEAD_DIM}, got {index_q.shape[-1]}"
-        )
-    if not index_q.is_cuda or not HAS_TRITON:
-        return mxfp4_q_quant_ref(index_q, index_weights, weight_scale, padded_heads)
-    return _mxfp4_q_quant_triton(index_q, index_weights, weight_scale, padded_heads)
 
 
 def _mxfp4_q_quant_triton(
