@@ -31,11 +31,11 @@ queries that each see a whole context of ``N`` tokens:
   unfused insert) and from the fp32 normed values (vLLM's Triton DeepSeek
   V3.2 prologue), with paired per-query differences.
 
-The bytes come from the package's own references (``formats.py``,
-``write_indexer_entries``, ``k_norm_reference``, ``rms_norm_reference``, the
-query references of ``indexer_q_quant.py``) and are read back through the
-cache layout (``indexer_block_views``) and decoders written from the byte
-formats; a check per case compares them with ``fused_prologue_reference``.
+The bytes come from the package's own references (``formats.py`` and
+``reference.py``: ``write_indexer_entries``, ``k_norm``, ``rms_norm``,
+``indexer_q_quant``) and are read back through the cache layout
+(``indexer_block_views``) and decoders written from the byte formats; a check
+per case compares them with ``reference.fused_prologue``.
 Inputs: see ``recipes.py`` (structured, gaussian, the tiny checkpoint).
 
     python benchmarks/fidelity/bench_fidelity.py --json fidelity.json
@@ -79,19 +79,7 @@ from recipes import (  # noqa: E402
     write_tiny_checkpoint_dir,
 )
 
-from vllm.models.kimi_k3.nvidia.dsa_ops import formats  # noqa: E402
-from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import (  # noqa: E402
-    fused_prologue_reference,
-    rms_norm_reference,
-)
-from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (  # noqa: E402
-    k_norm_reference,
-    write_indexer_entries,
-)
-from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_q_quant import (  # noqa: E402
-    indexer_q_quant_fold_weights_ref,
-    mxfp4_q_quant_ref,
-)
+from vllm.models.kimi_k3.nvidia.dsa_ops import formats, reference  # noqa: E402
 
 # KimiK3DSAIndexer: weight_scale = index_head_dim**-0.5 * index_num_heads**-0.5.
 INDEX_WEIGHT_SCALE = INDEX_HEAD_DIM**-0.5 * INDEX_HEADS**-0.5
@@ -179,7 +167,7 @@ def indexer_cache(k: torch.Tensor, fp4: bool, mx_scales: bool) -> IndexerCache:
         num_blocks, CACHE_BLOCK, entry, dtype=torch.uint8, device=k.device
     )
     slots = torch.arange(n, device=k.device)
-    write_indexer_entries(k, slots, cache, fp4, mx_scales)
+    reference.write_indexer_entries(k, slots, cache, fp4=fp4, mx_scales=mx_scales)
     values, scales = formats.indexer_block_views(cache, head_dim, fp4)
     return IndexerCache(
         values.reshape(-1, values.shape[-1])[:n],
@@ -191,13 +179,13 @@ def indexer_cache(k: torch.Tensor, fp4: bool, mx_scales: bool) -> IndexerCache:
 
 def check_prologue_bytes(inputs: LayerInputs, tokens: int = 256) -> None:
     """Our composition of the references (the bf16 source) writes the bytes
-    of ``fused_prologue_reference``, the contract of the fused kernels."""
+    of ``reference.fused_prologue``, the contract of the fused kernels."""
     n = min(tokens, inputs.index_k.shape[0])
     dev = inputs.index_k.device
-    k = k_norm_reference(
+    k = reference.k_norm(
         inputs.index_k[:n], inputs.k_norm_weight, inputs.k_norm_bias, inputs.eps
     )
-    latent = rms_norm_reference(inputs.kv_c[:n], inputs.kv_norm_weight, inputs.eps)
+    latent = reference.rms_norm(inputs.kv_c[:n], inputs.kv_norm_weight, inputs.eps)
     expect_mla = formats.fp8_ds_mla_entry(latent, inputs.k_pe[:n])
     num_blocks = -(-n // CACHE_BLOCK)
     slots = torch.arange(n, device=dev)
@@ -217,7 +205,7 @@ def check_prologue_bytes(inputs: LayerInputs, tokens: int = 256) -> None:
             device=dev,
         )
         topk = torch.empty(n, 8, dtype=torch.int32, device=dev)
-        fused_prologue_reference(
+        reference.fused_prologue(
             q_c,
             inputs.kv_c[:n],
             inputs.k_pe[:n],
@@ -251,7 +239,7 @@ def check_prologue_bytes(inputs: LayerInputs, tokens: int = 256) -> None:
         same = same and torch.equal(mla_bytes, expect_mla)
         if not same:
             raise AssertionError(
-                f"fused_prologue_reference bytes differ (fp4={fp4}, mx_scales={mx})"
+                f"reference.fused_prologue bytes differ (fp4={fp4}, mx_scales={mx})"
             )
 
 
@@ -439,30 +427,30 @@ def run_case(
     k_true = layer_norm_fp32(inputs)
     c_true = rms_norm_fp32(inputs)
     k_in = {
-        "bf16": k_norm_reference(
+        "bf16": reference.k_norm(
             inputs.index_k, inputs.k_norm_weight, inputs.k_norm_bias, inputs.eps
         ),
         "fp32": k_true,
     }
     c_in = {
-        "bf16": rms_norm_reference(inputs.kv_c, inputs.kv_norm_weight, inputs.eps),
+        "bf16": reference.rms_norm(inputs.kv_c, inputs.kv_norm_weight, inputs.eps),
         "fp32": c_true,
     }
     if not torch.equal(k_in["bf16"].float(), bf16_round(k_true)):
-        raise AssertionError("k_norm_reference is not the rounded fp32 k-norm")
+        raise AssertionError("reference.k_norm is not the rounded fp32 k-norm")
     if not torch.equal(c_in["bf16"].float(), bf16_round(c_true)):
-        raise AssertionError("rms_norm_reference is not the rounded fp32 RMSNorm")
+        raise AssertionError("reference.rms_norm is not the rounded fp32 RMSNorm")
 
     # Queries as served: bf16 GEMM output -> fp8 (scale folded into the
     # weights) or MXFP4 (scales beside it).
     q_true = inputs.index_q.float()
     w_true = inputs.index_weights.float() * INDEX_WEIGHT_SCALE
-    q8, w8 = indexer_q_quant_fold_weights_ref(
+    q8, _, w8 = reference.indexer_q_quant(
         inputs.index_q, inputs.index_weights, INDEX_WEIGHT_SCALE, INDEX_HEADS
     )
     q8 = q8.float()
-    packed, q_scale, w4 = mxfp4_q_quant_ref(
-        inputs.index_q, inputs.index_weights, INDEX_WEIGHT_SCALE, INDEX_HEADS
+    packed, q_scale, w4 = reference.indexer_q_quant(
+        inputs.index_q, inputs.index_weights, INDEX_WEIGHT_SCALE, INDEX_HEADS, fp4=True
     )
     nq = packed.shape[0]
     q4 = formats.mxfp4_dequantize_rows(

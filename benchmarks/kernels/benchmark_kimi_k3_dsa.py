@@ -46,14 +46,8 @@ if str(REPO_ROOT) not in sys.path:
     # Run from a checkout without installing (the GPU machine has no vLLM).
     sys.path.insert(0, str(REPO_ROOT))
 
-from vllm.models.kimi_k3.nvidia.dsa_ops import formats  # noqa: E402
+from vllm.models.kimi_k3.nvidia.dsa_ops import formats, reference  # noqa: E402
 from vllm.models.kimi_k3.nvidia.dsa_ops import indexer_q_quant as qq  # noqa: E402
-from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_q_quant import (  # noqa: E402
-    indexer_q_quant_fold_weights,
-    indexer_q_quant_fold_weights_ref,
-    mxfp4_q_quant,
-    mxfp4_q_quant_ref,
-)
 
 # Overridable for a CPU dry run of the input builders and compositions.
 DEVICE = "cuda"
@@ -203,9 +197,9 @@ def _ops_or_none():
 def insert_case(dims: Dims, fp4: bool) -> Case:
     from vllm.models.kimi_k3.nvidia.dsa_ops import indexer_k_insert as ins
 
-    mx = formats.use_mx_scales(torch.device(DEVICE))
+    # UE8M0 scale words where the device reads them (fp8 keys only).
+    mx = not fp4 and formats.use_mx_scales(torch.device(DEVICE))
     entry = formats.indexer_entry_bytes(dims.index_head_dim, fp4)
-    fast_fn = ins.mxfp4_k_norm_quant_insert if fp4 else ins.indexer_k_norm_quant_insert
 
     def make(t: int, n: int) -> dict:
         slots, num_blocks = slot_sets(dims, t, n)
@@ -225,7 +219,7 @@ def insert_case(dims: Dims, fp4: bool) -> Case:
 
     def fast(st: dict, i: int) -> None:
         s = st["sets"][i]
-        args = (
+        ins.indexer_k_norm_quant_insert(
             s["index_k"],
             st["w"],
             st["b"],
@@ -234,11 +228,9 @@ def insert_case(dims: Dims, fp4: bool) -> Case:
             st["cache"],
             st["topk"][i],
             s["index_k"].shape[0],
+            fp4=fp4,
+            mx_scales=mx,
         )
-        if fp4:
-            fast_fn(*args)
-        else:
-            fast_fn(*args, mx_scales=mx)
 
     def comp(st: dict, i: int, impl: Callable) -> None:
         s = st["sets"][i]
@@ -275,7 +267,7 @@ def insert_case(dims: Dims, fp4: bool) -> Case:
 def prologue_case(dims: Dims, fp4: bool) -> Case:
     from vllm.models.kimi_k3.nvidia.dsa_ops import fused_prologue as fp
 
-    mx = formats.use_mx_scales(torch.device(DEVICE))
+    mx = not fp4 and formats.use_mx_scales(torch.device(DEVICE))
     entry = formats.indexer_entry_bytes(dims.index_head_dim, fp4)
     mla_entry = formats.DS_MLA_ENTRY_BYTES
 
@@ -301,12 +293,9 @@ def prologue_case(dims: Dims, fp4: bool) -> Case:
             k_b=torch.randn(dims.index_head_dim, device=dev),
         )
 
-    entry_point = fp.mxfp4_fused_prologue if fp4 else fp.dsa_fused_prologue
-
     def fast(st: dict, i: int) -> Any:
         s = st["sets"][i]
-        kwargs = {} if fp4 else {"mx_scales": mx}
-        return entry_point(
+        return fp.dsa_fused_prologue(
             s["q_c"],
             s["kv_c"],
             s["k_pe"],
@@ -321,7 +310,8 @@ def prologue_case(dims: Dims, fp4: bool) -> Case:
             mla_slot_mapping=st["slots"][i],
             index_kv_cache=st["idx"],
             index_slot_mapping=st["slots"][i],
-            **kwargs,
+            fp4=fp4,
+            mx_scales=mx,
         )
 
     def comp(st: dict, i: int, impl: Callable) -> Any:
@@ -435,8 +425,13 @@ def _vllm_fused_norm_rope(dims: Dims):
 def query_case(dims: Dims, fp4: bool, block_h: int | None = None) -> Case:
     """The query quantization; ``block_h`` times a non-default heads-per-
     program tiling of the Triton kernel (tuning rows, fast path only)."""
-    fast_fn = mxfp4_q_quant if fp4 else indexer_q_quant_fold_weights
-    ref_fn = mxfp4_q_quant_ref if fp4 else indexer_q_quant_fold_weights_ref
+
+    def fast_fn(q: torch.Tensor, w: torch.Tensor, scale: float, heads: int) -> Any:
+        return qq.indexer_q_quant(q, w, scale, heads, fp4=fp4)
+
+    def ref_fn(q: torch.Tensor, w: torch.Tensor, scale: float, heads: int) -> Any:
+        return reference.indexer_q_quant(q, w, scale, heads, fp4=fp4)
+
     hd, h, hp = dims.index_head_dim, dims.index_heads, dims.padded_heads
 
     def make(t: int, n: int) -> dict:
@@ -462,14 +457,16 @@ def query_case(dims: Dims, fp4: bool, block_h: int | None = None) -> Case:
     def comp(st: dict, i: int, impl: Callable) -> Any:
         return impl(st["q"][i], st["w"][i], dims.weight_scale, hp)
 
+    def same(x: torch.Tensor | None, y: torch.Tensor | None) -> bool:
+        if x is None or y is None:
+            return x is y  # fp8: no q_scale
+        if x.dtype == torch.float8_e4m3fn:
+            x, y = x.view(torch.uint8), y.view(torch.uint8)
+        return torch.equal(x, y)
+
     def check(st: dict) -> str:
         a, b = fast(st, 0), comp(st, 0, ref_fn)
-        ok = all(
-            torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-            if x.dtype == torch.float8_e4m3fn
-            else torch.equal(x, y)
-            for x, y in zip(a, b, strict=True)
-        )
+        ok = all(same(x, y) for x, y in zip(a, b, strict=True))
         return "bytes match the reference" if ok else "MISMATCH vs reference"
 
     def nbytes(t: int) -> int:
@@ -720,6 +717,9 @@ def main() -> None:
         f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)"
     )
 
+    # Case names, one per kernel and format, are those of the recorded
+    # results (docs/results): the MXFP4 cases run the same entry points with
+    # fp4=True.
     builders = [
         ("indexer_k_norm_quant_insert", lambda: insert_case(dims, False)),
         ("mxfp4_k_norm_quant_insert", lambda: insert_case(dims, True)),
