@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.models.kimi_k3.common import dsa_cache
+from vllm.models.kimi_k3.common import dsa_cache, dsa_settings
 from vllm.models.kimi_k3.common.dsa_cache import (
     KimiK3IndexerBackend,
     KimiK3IndexerCache,
@@ -96,11 +96,12 @@ def recorded_base_build(monkeypatch):
 def indexer_group(vllm_config_for):
     """A runner AttentionGroup of one KimiK3IndexerCache over a packed
     block-outermost row: [MLA page | indexer page | padding] per block."""
+    from dsa_series_mode import apply_seam
+
     from vllm.config import set_current_vllm_config
-    from vllm.plugins.kimi_k3_dsa import kernel_block_split
     from vllm.v1.worker.utils import AttentionGroup
 
-    kernel_block_split.apply()
+    apply_seam("kernel_block_split")
     cfg = vllm_config_for()
     prefix = "builder.layers.3.self_attn.indexer.k_cache"
     with set_current_vllm_config(cfg):
@@ -239,7 +240,6 @@ def test_builder_slots_follow_the_kernel_block_table(
 def test_builder_validates_the_key_format(indexer_group, monkeypatch):
     # Stub: answer "SM10x" for 0.33.0's MXFP4 capability check; the tiny
     # model's layernorm k-norm and no rope make MXFP4 valid.
-    monkeypatch.setattr(dsa_cache, "dsa_indexer_uses_fp4", lambda cfg: True)
     from vllm.v1.attention.backends.mla import indexer
 
     monkeypatch.setattr(indexer, "dsa_indexer_uses_fp4", lambda cfg: True)
@@ -254,7 +254,7 @@ def test_builder_validates_the_key_format(indexer_group, monkeypatch):
     def refuse(cfg):
         raise ValueError("indexer_kv_dtype='mxfp4' needs the fused key insert")
 
-    monkeypatch.setattr(dsa_cache, "kimi_k3_indexer_uses_fp4", refuse)
+    monkeypatch.setattr(dsa_settings, "indexer_uses_fp4", refuse)
     with pytest.raises(ValueError, match="fused key insert"):
         KimiK3IndexerMetadataBuilder(
             spec, group.layer_names, indexer_group.cfg, torch.device("cpu"),

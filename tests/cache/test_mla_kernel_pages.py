@@ -19,7 +19,7 @@ from vllm.models.kimi_k3.common.dsa_cache import (
     KimiK3IndexerBackend,
     is_kimi_k3_dsa_backend,
 )
-from vllm.models.kimi_k3.common.dsa_config import MLA_KERNEL_PAGES_ENV
+from vllm.models.kimi_k3.common.dsa_envs import MLA_KERNEL_PAGES_ENV
 from vllm.models.kimi_k3.common.dsa_pages import (
     MLA_KERNEL_PAGE_TOKENS,
     kernel_page_slots,
@@ -46,10 +46,11 @@ def allocated(packed_kimi_k3_1):
 def _split(name: str, kv_cache_config, cache: torch.Tensor):
     """The runner's view of one layer's cache, split by our seam, and its
     attention group (kernel_block_stride set by the split)."""
-    from vllm.plugins.kimi_k3_dsa import kernel_block_split
+    from dsa_series_mode import apply_seam
+
     from vllm.v1.worker.utils import AttentionGroup
 
-    kernel_block_split.apply()
+    apply_seam("kernel_block_split")
     group = next(g for g in kv_cache_config.kv_cache_groups if name in g.layer_names)
     backend = (
         KimiK3FlashMLASparseBackend if name.endswith(".mla") else (KimiK3IndexerBackend)
@@ -159,7 +160,7 @@ def test_runner_slots_are_remapped_for_split_mla_groups(allocated):
     attention group is split, for the metadata (by group) and the forward
     context (by layer, and per micro-batch), in one persistent buffer; other
     groups keep theirs."""
-    from vllm.plugins.kimi_k3_dsa.mla_page_slots import remap_slot_mappings
+    from vllm.models.kimi_k3.common.dsa_slot_mappings import remap_slot_mappings
 
     block, kv_cache_config, caches = allocated
     gid = next(
@@ -199,7 +200,7 @@ def test_runner_slots_are_remapped_for_split_mla_groups(allocated):
 
 
 def test_runner_slots_untouched_without_a_split(allocated):
-    from vllm.plugins.kimi_k3_dsa.mla_page_slots import remap_slot_mappings
+    from vllm.models.kimi_k3.common.dsa_slot_mappings import remap_slot_mappings
     from vllm.v1.worker.utils import AttentionGroup
 
     _, kv_cache_config, _ = allocated

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from k3_1_specs import FULL_ATTN, kimi_k3_1_specs
 
-from vllm.models.kimi_k3.common import dsa_block_size, dsa_cache
+from vllm.models.kimi_k3.common import dsa_block_size, dsa_settings
 from vllm.models.kimi_k3.common.dsa_block_size import (
     _PD_REFERENCE_TP,
     kda_state_bytes,
@@ -25,6 +25,7 @@ from vllm.models.kimi_k3.common.dsa_block_size import (
     states_per_row,
 )
 from vllm.models.kimi_k3.common.dsa_config import DSAConfig
+from vllm.v1.attention.backends.mla import indexer as v32_indexer
 
 TP_SIZES = (1, 2, 4, 8, 16)
 
@@ -205,7 +206,7 @@ def test_packed_dsa_block_size_is_none_for_other_models():
 def test_fp4_keys_shrink_the_row(monkeypatch):
     # Stub: MXFP4 keys need an SM10x GPU, which 0.33.0's dsa_indexer_uses_fp4
     # checks; on this CPU we answer "SM10x" for it.
-    monkeypatch.setattr(dsa_cache, "dsa_indexer_uses_fp4", lambda cfg: True)
+    monkeypatch.setattr(v32_indexer, "dsa_indexer_uses_fp4", lambda cfg: True)
     layout = dict(num_dsa=24, num_states=69)
     state = kda_state_bytes(96, 128, 4, 8)
     cfg = _namespace_vllm_config(layout, 8, indexer_kv_dtype="mxfp4")
@@ -215,13 +216,13 @@ def test_fp4_keys_shrink_the_row(monkeypatch):
 
 
 def test_mxfp4_refused_without_fused_key_insert(monkeypatch):
-    monkeypatch.setattr(dsa_cache, "dsa_indexer_uses_fp4", lambda cfg: True)
+    monkeypatch.setattr(v32_indexer, "dsa_indexer_uses_fp4", lambda cfg: True)
     cfg = _namespace_vllm_config(dict(num_dsa=2, num_states=3), 1, "mxfp4")
     cfg.model_config.hf_text_config.dsa_config = DSAConfig(
         index_topk=64, index_head_dim=128, index_num_heads=4
     )  # rmsnorm k-norm
     with pytest.raises(ValueError, match="fused Kimi K3 DSA key insert"):
-        dsa_cache.kimi_k3_indexer_uses_fp4(cfg)
+        dsa_settings.indexer_uses_fp4(cfg)
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)

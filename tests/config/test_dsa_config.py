@@ -494,7 +494,7 @@ def test_multimodal_kimi_k3_config_path(tmp_path):
 
 
 def test_dcp_refused_unless_experimental(tiny_checkpoint, engine_config, monkeypatch):
-    from vllm.models.kimi_k3.common.dsa_config import EXPERIMENTAL_DCP_ENV
+    from vllm.models.kimi_k3.common.dsa_envs import EXPERIMENTAL_DCP_ENV
 
     config = engine_config(tiny_checkpoint(dsa_config=dsa(index_topk=512)))
     config.parallel_config.decode_context_parallel_size = 2
@@ -512,7 +512,7 @@ def test_dcp_refused_unless_experimental(tiny_checkpoint, engine_config, monkeyp
 
 
 def test_dcp_needs_a_topk_the_merge_takes(tiny_checkpoint, engine_config, monkeypatch):
-    from vllm.models.kimi_k3.common.dsa_config import EXPERIMENTAL_DCP_ENV
+    from vllm.models.kimi_k3.common.dsa_envs import EXPERIMENTAL_DCP_ENV
 
     monkeypatch.setenv(EXPERIMENTAL_DCP_ENV, "1")
     config = engine_config(tiny_checkpoint())
@@ -535,7 +535,7 @@ def test_dcp_needs_cute_dsl_on_cuda(tiny_checkpoint, engine_config, monkeypatch)
     it raises at the first forward, so the config refuses it first. The CPU
     platform stands in for CUDA here (``is_cuda`` stubbed: no GPU in CI)."""
     import vllm.utils.import_utils
-    from vllm.models.kimi_k3.common.dsa_config import EXPERIMENTAL_DCP_ENV
+    from vllm.models.kimi_k3.common.dsa_envs import EXPERIMENTAL_DCP_ENV
     from vllm.platforms import current_platform
 
     monkeypatch.setenv(EXPERIMENTAL_DCP_ENV, "1")
@@ -601,7 +601,7 @@ def test_null_dsa_config_keeps_the_config_hash(tmp_path, engine_config, multimod
     [("0", False), ("1", True), ("true", True), ("False", False), (" 1 ", True)],
 )
 def test_force_wrapper_env_values(monkeypatch, raw, expected):
-    from vllm.models.kimi_k3.common.dsa_config import (
+    from vllm.models.kimi_k3.common.dsa_envs import (
         FORCE_WRAPPER_ENV,
         force_wrapper_forward,
     )
@@ -611,7 +611,7 @@ def test_force_wrapper_env_values(monkeypatch, raw, expected):
 
 
 def test_force_wrapper_env_bad_value_refused(monkeypatch):
-    from vllm.models.kimi_k3.common.dsa_config import (
+    from vllm.models.kimi_k3.common.dsa_envs import (
         FORCE_WRAPPER_ENV,
         force_wrapper_forward,
     )

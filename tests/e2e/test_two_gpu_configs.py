@@ -35,7 +35,7 @@ TINY_INDEX_TOPK = 128
 
 @pytest.fixture(autouse=True)
 def experimental_dcp(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm.models.kimi_k3.common.dsa_config import EXPERIMENTAL_DCP_ENV
+    from vllm.models.kimi_k3.common.dsa_envs import EXPERIMENTAL_DCP_ENV
 
     monkeypatch.setenv(EXPERIMENTAL_DCP_ENV, "1")
 
@@ -190,7 +190,7 @@ def test_dcp2_refused_without_the_experimental_opt_in(
 ):
     """Without the opt-in DCP is refused at config time, before any cache
     exists, with the reason and what to do."""
-    from vllm.models.kimi_k3.common.dsa_config import EXPERIMENTAL_DCP_ENV
+    from vllm.models.kimi_k3.common.dsa_envs import EXPERIMENTAL_DCP_ENV
 
     monkeypatch.delenv(EXPERIMENTAL_DCP_ENV)
     with pytest.raises(

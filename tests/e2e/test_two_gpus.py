@@ -155,7 +155,7 @@ def test_dcp2_equals_one_gpu(
     (a prefill with context: the chunked-context path, DCP-gathered). The
     fused forward does not take DCP: the wrapper runs, with the fused key
     insert."""
-    from vllm.models.kimi_k3.common.dsa_config import EXPERIMENTAL_DCP_ENV
+    from vllm.models.kimi_k3.common.dsa_envs import EXPERIMENTAL_DCP_ENV
     from vllm.utils.import_utils import has_cutedsl
 
     if not has_cutedsl():

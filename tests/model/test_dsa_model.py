@@ -52,6 +52,7 @@ def dsa_log(record_logs):
     return record_logs(D)
 
 
+@pytest.mark.overlay_only
 def test_seams_registered() -> None:
     import vllm.models.kimi_k3.nvidia.model as model_module
     from vllm.models.kimi_k3.nvidia import dsa_model
@@ -129,7 +130,7 @@ def test_one_model_level_topk_buffer_and_index_group_builder(
 def test_topk_buffer_rows_dcp_slack() -> None:
     from types import SimpleNamespace
 
-    from vllm.models.kimi_k3.common.dsa_config import topk_indices_buffer_rows
+    from vllm.models.kimi_k3.common.dsa_settings import topk_indices_buffer_rows
     from vllm.models.kimi_k3.nvidia.dsa_model import make_topk_indices_buffer
 
     def cfg(dcp: int) -> Any:

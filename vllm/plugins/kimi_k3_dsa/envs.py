@@ -20,7 +20,7 @@ bool(int(os.getenv(...)))`` in ``environment_variables``, and one for
 ``VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP`` and ``VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES``.
 """
 
-from vllm.models.kimi_k3.common.dsa_config import (
+from vllm.models.kimi_k3.common.dsa_envs import (
     EXPERIMENTAL_DCP_ENV,
     FORCE_WRAPPER_ENV,
     MLA_KERNEL_PAGES_ENV,

@@ -19,9 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm.logger import init_logger
-from vllm.models.kimi_k3.common.dsa_config import (
-    check_dsa_pcp,
+from vllm.models.kimi_k3.common.dsa_cache import (
+    fp8_ds_mla_bytes_per_token,
+    indexer_cache_entry_bytes,
+    is_kimi_k3_dsa_backend,
 )
+from vllm.models.kimi_k3.common.dsa_config import check_dsa_pcp
+from vllm.models.kimi_k3.common.dsa_settings import indexer_uses_fp4
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,
@@ -30,13 +34,6 @@ from vllm.v1.kv_cache_interface import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-from vllm.models.kimi_k3.common.dsa_cache import (
-    fp8_ds_mla_bytes_per_token,
-    indexer_cache_entry_bytes,
-    is_kimi_k3_dsa_backend,
-    kimi_k3_indexer_uses_fp4,
-)
 
 logger = init_logger(__name__)
 
@@ -207,7 +204,7 @@ def packed_dsa_block_size(
     text_config = vllm_config.model_config.hf_text_config
     num_dsa, num_states = dsa_layer_counts(text_config)
     index_bytes = indexer_cache_entry_bytes(
-        text_config.dsa_config.index_head_dim, kimi_k3_indexer_uses_fp4(vllm_config)
+        text_config.dsa_config.index_head_dim, indexer_uses_fp4(vllm_config)
     )
     row_bytes_per_token = packed_row_bytes_per_token(
         num_dsa,

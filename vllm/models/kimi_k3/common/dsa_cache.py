@@ -24,11 +24,9 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
-from vllm.models.kimi_k3.common.dsa_config import (
-    check_dsa_pcp,
-    check_mxfp4_indexer,
-    mla_kernel_pages_forced,
-)
+from vllm.models.kimi_k3.common import dsa_settings
+from vllm.models.kimi_k3.common.dsa_config import check_dsa_pcp
+from vllm.models.kimi_k3.common.dsa_envs import mla_kernel_pages_forced
 from vllm.models.kimi_k3.common.dsa_pages import MLA_KERNEL_PAGE_TOKENS
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats
 from vllm.v1.attention.backends.mla.compressor_utils import (
@@ -39,14 +37,12 @@ from vllm.v1.attention.backends.mla.indexer import (
     DeepseekV32IndexerBackend,
     DeepseekV32IndexerMetadata,
     DeepseekV32IndexerMetadataBuilder,
-    dsa_indexer_uses_fp4,
 )
 from vllm.v1.kv_cache_interface import (
     KVCacheLayout,
 )
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
 logger = init_logger(__name__)
@@ -61,25 +57,6 @@ def indexer_cache_entry_bytes(head_dim: int, use_fp4_cache: bool) -> int:
 def fp8_ds_mla_bytes_per_token(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
     """Bytes of one token in the ``fp8_ds_mla`` format (656 for 512 + 64)."""
     return formats.ds_mla_entry_bytes(kv_lora_rank, qk_rope_head_dim)
-
-
-def kimi_k3_indexer_uses_fp4(vllm_config: VllmConfig) -> bool:
-    """Whether the indexer keys are MXFP4 (68 B/token) instead of fp8
-    (132 B/token, the default, ``indexer_kv_dtype='auto'``).
-
-    MXFP4 is opt-in (``--attention-config '{"indexer_kv_dtype": "mxfp4"}'``)
-    and needs SM10x (checked by 0.33.0's ``dsa_indexer_uses_fp4``) and the
-    fused key insert (:func:`check_mxfp4_indexer`, also run by the config
-    verifier); anything else raises instead of writing another format.
-    """
-    if not dsa_indexer_uses_fp4(vllm_config):
-        return False
-    model_config = getattr(vllm_config, "model_config", None)
-    text_config = getattr(model_config, "hf_text_config", None)
-    dsa_config = getattr(text_config, "dsa_config", None)
-    if dsa_config is not None:
-        check_mxfp4_indexer(dsa_config)
-    return True
 
 
 class KimiK3IndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
@@ -100,8 +77,8 @@ class KimiK3IndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
             check_dsa_pcp(vllm_config.parallel_config)
         super().__init__(*args, **kwargs)
         assert not self.use_pcp, "refused by check_dsa_pcp"
-        # The K3.1 key format, validated when the builder is made.
-        self.indexer_uses_fp4 = kimi_k3_indexer_uses_fp4(self.vllm_config)
+        # The K3.1 key format (validated when the builder is made).
+        self.indexer_uses_fp4 = dsa_settings.indexer_uses_fp4(self.vllm_config)
         self.slot_mapping_buffer = torch.zeros(
             self.vllm_config.scheduler_config.max_num_batched_tokens,
             dtype=torch.int64,

@@ -17,12 +17,17 @@ as vLLM 0.33.0's: ``config.dsa_config is None`` and nothing else changes.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+from vllm.models.kimi_k3.common.dsa_envs import (
+    EXPERIMENTAL_DCP_ENV,
+    MLA_KERNEL_PAGES_ENV,
+    experimental_dcp,
+    mla_kernel_pages_in_use,
+)
 from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import DEEPGEMM_INDEX_HEADS
 from vllm.transformers_utils.configs.kimi_k3 import KimiK3Config
 from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
@@ -57,19 +62,6 @@ DSA_CACHE_DTYPES: dict[str, str] = {
 }
 # Indexer key dtypes (--attention-config '{"indexer_kv_dtype": ...}').
 DSA_INDEXER_KV_DTYPES = ("auto", "fp8", "mxfp4")
-# Ours: set to 1 to serve DSA layers with the wrapper forward and vLLM's
-# unfused key insert (upstream ops only, none of vllm._kimi_k3_C's kernels),
-# e.g. to compare that path with the fused forward on the same checkpoint. It
-# changes the compiled graph, so the plugin registers it with vLLM's
-# environment variables (part of the torch.compile cache key).
-FORCE_WRAPPER_ENV = "VLLM_KIMI_K3_DSA_FORCE_WRAPPER"
-# Decode context parallelism gave wrong tokens on the H200 (docs/serving.md),
-# so it is refused unless a developer opts in to reproduce that.
-EXPERIMENTAL_DCP_ENV = "VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP"
-# Split the packed row's MLA pages into FlashMLA sparse's 64-token kernel pages
-# on SM90 too (SM10x always reads them so): the Blackwell page path, on Hopper.
-MLA_KERNEL_PAGES_ENV = "VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES"
-_ENV_BOOLS = {"0": False, "false": False, "1": True, "true": True}
 ROCM_REASON = (
     "Kimi-K3.1 DSA requires the CUDA FlashMLA sparse / DeepGEMM indexer "
     "kernels; ROCm is not supported."
@@ -368,39 +360,6 @@ class KimiK3DSAConfig(KimiK3Config):
         super().__init__(text_config=text_config, **kw)
 
 
-def _env_flag(name: str) -> bool:
-    """A boolean environment variable of ours; unset is False."""
-    raw = os.environ.get(name, "0")
-    value = _ENV_BOOLS.get(raw.strip().lower())
-    if value is None:
-        raise ValueError(
-            f"{name}={raw!r} is not understood: accepted values are "
-            f"{sorted(_ENV_BOOLS)}"
-        )
-    return value
-
-
-def force_wrapper_forward() -> bool:
-    """Whether :data:`FORCE_WRAPPER_ENV` asks for the upstream-ops path."""
-    return _env_flag(FORCE_WRAPPER_ENV)
-
-
-def mla_kernel_pages_forced() -> bool:
-    """Whether :data:`MLA_KERNEL_PAGES_ENV` forces the MLA cache into 64-token
-    kernel pages where FlashMLA sparse would read whole blocks (SM90)."""
-    return _env_flag(MLA_KERNEL_PAGES_ENV)
-
-
-def mla_kernel_pages_in_use() -> bool:
-    """Whether the MLA cache is served in 64-token kernel pages: forced, or on
-    SM10x, where FlashMLA sparse reads the quantized cache only so."""
-    from vllm.platforms import current_platform
-
-    return mla_kernel_pages_forced() or (
-        current_platform.is_cuda() and current_platform.is_device_capability_family(100)
-    )
-
-
 def check_mla_kernel_pages(vllm_config: VllmConfig) -> None:
     """Multi-step drafts recompute their slots in manager blocks (0.33.0's
     ``eagle_step_update_slot_mapping_and_metadata``), which kernel pages do
@@ -414,12 +373,6 @@ def check_mla_kernel_pages(vllm_config: VllmConfig) -> None:
             f"{MLA_KERNEL_PAGES_ENV}=1): draft steps after the first would write "
             "their KV at manager-block slots. Use num_speculative_tokens=1"
         )
-
-
-def experimental_dcp() -> bool:
-    """Whether :data:`EXPERIMENTAL_DCP_ENV` lets decode context parallelism
-    through (to reproduce its known wrong output, not to serve)."""
-    return _env_flag(EXPERIMENTAL_DCP_ENV)
 
 
 def is_dsa_model(text_config: Any) -> bool:
@@ -466,6 +419,21 @@ def check_mxfp4_indexer(dsa: DSAConfig) -> None:
         )
 
 
+def indexer_kv_dtype_is_fp4(requested: str, dsa: DSAConfig) -> bool:
+    """Whether ``indexer_kv_dtype`` asks for MXFP4 keys, after the checks that
+    hold on any GPU (the accepted values, :func:`check_mxfp4_indexer`); the
+    config verifier and the KV plan command both decide through this."""
+    if requested not in DSA_INDEXER_KV_DTYPES:
+        raise ValueError(
+            f"attention_config.indexer_kv_dtype {requested!r} is not supported for "
+            f"Kimi-K3.1 DSA: accepted values are {list(DSA_INDEXER_KV_DTYPES)}"
+        )
+    if requested != "mxfp4":
+        return False
+    check_mxfp4_indexer(dsa)
+    return True
+
+
 def check_indexer_kv_dtype(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
     """Validate ``--attention-config '{"indexer_kv_dtype": ...}'``.
 
@@ -476,14 +444,8 @@ def check_indexer_kv_dtype(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
     from vllm.platforms import current_platform
 
     requested = getattr(vllm_config.attention_config, "indexer_kv_dtype", "auto")
-    if requested not in DSA_INDEXER_KV_DTYPES:
-        raise ValueError(
-            f"attention_config.indexer_kv_dtype {requested!r} is not supported for "
-            f"Kimi-K3.1 DSA: accepted values are {list(DSA_INDEXER_KV_DTYPES)}"
-        )
-    if requested != "mxfp4":
+    if not indexer_kv_dtype_is_fp4(requested, dsa):
         return
-    check_mxfp4_indexer(dsa)
     if current_platform.is_cuda() and not current_platform.is_device_capability_family(
         100
     ):
@@ -539,19 +501,6 @@ def check_dsa_parallelism(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
             "DCP top-k merge (_merge_dcp_topk_global) runs only on it; "
             "install it or serve without decode context parallelism"
         )
-
-
-def topk_indices_buffer_rows(vllm_config: VllmConfig) -> int:
-    """Rows of the model-level top-k buffer.
-
-    ``max_num_batched_tokens`` plus, under decode context parallelism, the
-    ``W - 1`` rows of slack that allgather-k mode needs: prefill rows are padded
-    to ``ceil(P / W)`` per rank, so the gathered output takes at most ``W - 1``
-    rows more than the batch's tokens.
-    """
-    dcp_world_size = vllm_config.parallel_config.decode_context_parallel_size
-    slack = dcp_world_size - 1 if dcp_world_size > 1 else 0
-    return vllm_config.scheduler_config.max_num_batched_tokens + slack
 
 
 def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:

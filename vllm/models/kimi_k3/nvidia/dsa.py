@@ -43,7 +43,7 @@ from vllm.model_executor.layers.mla import MLAModules, MultiHeadLatentAttentionW
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.rotary_embedding.common import yarn_get_mscale
-from vllm.models.kimi_k3.common.dsa_config import topk_indices_buffer_rows
+from vllm.models.kimi_k3.common.dsa_settings import topk_indices_buffer_rows
 from vllm.models.kimi_k3.nvidia import dsa_fused
 from vllm.models.kimi_k3.nvidia.dsa_indexer import (
     KimiK3DSAIndexer,

@@ -20,7 +20,7 @@ from torch import nn
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.utils import is_weights_pre_processed
-from vllm.models.kimi_k3.common.dsa_config import (
+from vllm.models.kimi_k3.common.dsa_envs import (
     FORCE_WRAPPER_ENV,
     force_wrapper_forward,
 )

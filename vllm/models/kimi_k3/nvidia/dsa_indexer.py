@@ -39,8 +39,8 @@ from vllm.model_executor.layers.linear import (
     ReplicatedLinear,
 )
 from vllm.model_executor.layers.quantization import QuantizationConfig
-from vllm.models.kimi_k3.common import dsa_cache
-from vllm.models.kimi_k3.common.dsa_config import (
+from vllm.models.kimi_k3.common import dsa_cache, dsa_settings
+from vllm.models.kimi_k3.common.dsa_envs import (
     FORCE_WRAPPER_ENV,
     force_wrapper_forward,
 )
@@ -50,25 +50,11 @@ from vllm.models.kimi_k3.nvidia.dsa_ops import (
     indexer_k_insert,
     indexer_q_quant,
 )
-from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import (
-    DEEPGEMM_INDEX_HEADS,
-    k_insert_unsupported,
-)
+from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import k_insert_unsupported
 from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.attention.backends.mla import indexer as v32_indexer
 
 logger = init_logger(__name__)
-
-
-def padded_index_num_heads(index_num_heads: int) -> int:
-    """The head count DeepGEMM's indexer kernels run ``index_num_heads`` at."""
-    for width in DEEPGEMM_INDEX_HEADS:
-        if index_num_heads <= width:
-            return width
-    raise ValueError(
-        "Official DeepGEMM DSA indexer supports at most 64 index "
-        f"heads, got {index_num_heads}."
-    )
 
 
 def _extension_loaded() -> bool:
@@ -195,10 +181,12 @@ class KimiK3DSAIndexer(nn.Module):
         self.quant_block_size = self.index_head_dim
         self.index_softmax_scale = self.index_head_dim**-0.5
         # DeepGEMM's indexer kernels take 32 or 64 heads: zero-pad up to that.
-        self.padded_index_num_heads = padded_index_num_heads(self.index_num_heads)
+        self.padded_index_num_heads = dsa_settings.padded_index_heads(
+            self.index_num_heads
+        )
         # fp8 keys by default; MXFP4 keys and queries only on an explicit
         # indexer_kv_dtype='mxfp4'.
-        self.use_fp4_cache = dsa_cache.kimi_k3_indexer_uses_fp4(vllm_config)
+        self.use_fp4_cache = dsa_settings.resolve_dsa_settings(vllm_config).indexer_fp4
         self.k_cache = dsa_cache.KimiK3IndexerCache(
             head_dim=dsa_cache.indexer_cache_entry_bytes(
                 self.index_head_dim, self.use_fp4_cache

@@ -23,10 +23,8 @@ import torch
 from torch import nn
 
 from vllm.logger import init_logger
-from vllm.models.kimi_k3.common.dsa_config import (
-    is_dsa_model,
-    topk_indices_buffer_rows,
-)
+from vllm.models.kimi_k3.common.dsa_config import is_dsa_model
+from vllm.models.kimi_k3.common.dsa_settings import topk_indices_buffer_rows
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What a Kimi K3.1 DSA deployment runs with, decided once.
+
+The config verifier (:func:`~vllm.models.kimi_k3.common.dsa_config.
+verify_dsa_vllm_config`) refuses what cannot be served; what it accepts
+resolves here into one :class:`DSASettings`: the indexer key format, the
+top-k width and buffer rows, the head count DeepGEMM's indexer runs at and
+whether our fused paths may switch on. The layers, the caches and the block
+size read these fields instead of re-deciding them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm.models.kimi_k3.common.dsa_config import DSAConfig, check_mxfp4_indexer
+from vllm.models.kimi_k3.common.dsa_envs import (
+    force_wrapper_forward,
+    mla_kernel_pages_in_use,
+)
+from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import DEEPGEMM_INDEX_HEADS
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+@dataclass(frozen=True)
+class DSASettings:
+    """The resolved settings of one engine configuration."""
+
+    # MXFP4 indexer keys (68 B/token at head dim 128) instead of fp8 (132 B).
+    indexer_fp4: bool
+    # Tokens each query keeps, and rows of the model-level top-k buffer.
+    index_topk: int
+    topk_buffer_rows: int
+    # The head count DeepGEMM's indexer kernels run the index heads at.
+    padded_index_heads: int
+    # Whether the fused forward and key insert may switch on (the layers add
+    # what only they can see: the extension, the shapes, the weights).
+    fused_paths_allowed: bool
+    # Whether the MLA cache is read in 64-token kernel pages.
+    mla_kernel_pages: bool
+
+
+def padded_index_heads(index_num_heads: int) -> int:
+    """The head count DeepGEMM's indexer kernels run ``index_num_heads`` at."""
+    for width in DEEPGEMM_INDEX_HEADS:
+        if index_num_heads <= width:
+            return width
+    raise ValueError(
+        "Official DeepGEMM DSA indexer supports at most "
+        f"{max(DEEPGEMM_INDEX_HEADS)} index heads, got {index_num_heads}."
+    )
+
+
+def topk_indices_buffer_rows(vllm_config: VllmConfig) -> int:
+    """Rows of the model-level top-k buffer.
+
+    ``max_num_batched_tokens`` plus, under decode context parallelism, the
+    ``W - 1`` rows of slack that allgather-k mode needs: prefill rows are padded
+    to ``ceil(P / W)`` per rank, so the gathered output takes at most ``W - 1``
+    rows more than the batch's tokens.
+    """
+    dcp_world_size = vllm_config.parallel_config.decode_context_parallel_size
+    slack = dcp_world_size - 1 if dcp_world_size > 1 else 0
+    return vllm_config.scheduler_config.max_num_batched_tokens + slack
+
+
+def indexer_uses_fp4(vllm_config: VllmConfig) -> bool:
+    """Whether the indexer keys are MXFP4 instead of fp8 (the default,
+    ``indexer_kv_dtype='auto'``).
+
+    Decided by 0.33.0's ``dsa_indexer_uses_fp4``, the function vLLM's own
+    indexer cache code asks, so both sides agree on the format; a model the
+    MXFP4 keys cannot serve (:func:`check_mxfp4_indexer`, which the verifier
+    already ran) raises instead of writing another format.
+    """
+    from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
+
+    if not dsa_indexer_uses_fp4(vllm_config):
+        return False
+    model_config = getattr(vllm_config, "model_config", None)
+    text_config = getattr(model_config, "hf_text_config", None)
+    dsa = getattr(text_config, "dsa_config", None)
+    if dsa is not None:
+        check_mxfp4_indexer(dsa)
+    return True
+
+
+def resolve_dsa_settings(vllm_config: VllmConfig) -> DSASettings:
+    """The settings of a Kimi K3.1 engine configuration (a DSA model)."""
+    dsa: DSAConfig = vllm_config.model_config.hf_text_config.dsa_config
+    return DSASettings(
+        indexer_fp4=indexer_uses_fp4(vllm_config),
+        index_topk=dsa.index_topk,
+        topk_buffer_rows=topk_indices_buffer_rows(vllm_config),
+        padded_index_heads=padded_index_heads(dsa.index_num_heads),
+        fused_paths_allowed=not force_wrapper_forward(),
+        mla_kernel_pages=mla_kernel_pages_in_use(),
+    )
