@@ -251,10 +251,8 @@ def test_good_tensors_land_where_expected(
     """The checks pass a well-shaped checkpoint, every value where it
     belongs, and an fp8 ``wq_b`` / ``wk`` with a block or per-channel scale
     still dequantizes into its bf16 parameter."""
-    from vllm.models.kimi_k3.nvidia.dsa_weights import (
-        check_dsa_indexers_complete,
-        dequantize_fp8_block,
-    )
+    from vllm.models.kimi_k3.nvidia.dsa_weight_router import dequantize_fp8_block
+    from vllm.models.kimi_k3.nvidia.dsa_weights import check_dsa_indexers_complete
 
     model = build(dsa_layer_env)
     loaded = load(model, checkpoint)
@@ -365,7 +363,7 @@ def test_natively_fp8_wq_index_checked_against_its_parameters(
     """An fp8 ``wq_b`` and its scale bound for an fp8 ``wq_index`` load as
     they are (no dequantization); each is checked against its own
     parameter."""
-    from vllm.models.kimi_k3.nvidia.dsa_weights import DSAWeightRouter
+    from vllm.models.kimi_k3.nvidia.dsa_weight_router import DSAWeightRouter
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     with set_default_torch_dtype(torch.bfloat16):

@@ -293,7 +293,7 @@ def _fake_root(fp8: bool) -> tuple[torch.nn.Module, _FakeDSAAttention]:
 
 
 def test_fp8_block_quantized_wq_b_loads_with_its_scale(dsa_layer_env) -> None:
-    from vllm.models.kimi_k3.nvidia.dsa_weights import DSAWeightRouter
+    from vllm.models.kimi_k3.nvidia.dsa_weight_router import DSAWeightRouter
 
     root, attn = _fake_root(fp8=True)
     params = dict(root.named_parameters())
@@ -338,7 +338,7 @@ def test_fp8_wq_b_and_wk_into_bf16_parameters_are_dequantized(
     """A checkpoint with fp8 ``wq_b`` / ``wk`` (and their block scales) served
     by a model that keeps them in bf16 (``wk`` always shares a bf16 GEMM with
     ``weights_proj``): dequantized on load, in either arrival order."""
-    from vllm.models.kimi_k3.nvidia.dsa_weights import DSAWeightRouter
+    from vllm.models.kimi_k3.nvidia.dsa_weight_router import DSAWeightRouter
 
     root, attn = _fake_root(fp8=False)
     p = "layers.0.self_attn."
@@ -376,7 +376,7 @@ def test_fp8_wq_b_and_wk_into_bf16_parameters_are_dequantized(
 @pytest.mark.parametrize("half", ["weight", "weight_scale_inv"])
 def test_half_an_fp8_indexer_tensor_refused(dsa_layer_env, half: str) -> None:
     """An fp8 weight without its scale, or a scale beside a bf16 weight."""
-    from vllm.models.kimi_k3.nvidia.dsa_weights import DSAWeightRouter
+    from vllm.models.kimi_k3.nvidia.dsa_weight_router import DSAWeightRouter
 
     root, attn = _fake_root(fp8=False)
     p = "layers.0.self_attn."
@@ -395,7 +395,7 @@ def test_half_an_fp8_indexer_tensor_refused(dsa_layer_env, half: str) -> None:
 def test_partial_reload_of_other_layers_is_not_refused(dsa_layer_env) -> None:
     """Only layers that received tensors in a call must be complete (a
     weight refit may send a subset of layers)."""
-    from vllm.models.kimi_k3.nvidia.dsa_weights import DSAWeightRouter
+    from vllm.models.kimi_k3.nvidia.dsa_weight_router import DSAWeightRouter
 
     p = "layers.0.self_attn."
     root, attn = _fake_root(fp8=False)
