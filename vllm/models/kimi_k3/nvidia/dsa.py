@@ -248,17 +248,18 @@ class KimiK3DSAAttention(nn.Module):
         self.index_head_dim = dsa_config.index_head_dim
         self.index_num_heads = dsa_config.index_num_heads
         self.index_rope_dim = dsa_config.index_rope_dim
-        if self.index_rope_dim > 0 and self.use_nope:
-            raise ValueError(
-                "dsa_config.index_rope_dim > 0 is incompatible with "
-                "mla_use_nope (there is no rotary cache to share)"
-            )
-        if self.index_rope_dim > min(self.qk_rope_head_dim, self.index_head_dim):
-            raise ValueError(
-                f"dsa_config.index_rope_dim ({self.index_rope_dim}) must "
-                f"not exceed min(qk_rope_head_dim={self.qk_rope_head_dim}, "
-                f"index_head_dim={self.index_head_dim})"
-            )
+        # The dsa_config rules ran at config time (DSAConfig.from_dict,
+        # check_dsa_model); a layer built past them is a programming error.
+        assert not (self.index_rope_dim > 0 and self.use_nope), (
+            "index_rope_dim > 0 with mla_use_nope: refused by check_dsa_model"
+        )
+        assert self.index_rope_dim <= min(self.qk_rope_head_dim, self.index_head_dim), (
+            "index_rope_dim above qk_rope_head_dim or index_head_dim: refused by "
+            "check_dsa_model"
+        )
+        assert getattr(dsa_config, "index_topk_freq", 1) in (None, 1), (
+            "index_topk_freq != 1: refused by DSAConfig"
+        )
 
         vllm_config = get_current_vllm_config()
         if topk_indices_buffer is None:
@@ -275,14 +276,6 @@ class KimiK3DSAAttention(nn.Module):
                 device=topk_buffer_device,
             )
         self.topk_indices_buffer = topk_indices_buffer
-
-        # Kimi-K3.1 has no index share: every DSA layer has its own indexer.
-        index_topk_freq = getattr(dsa_config, "index_topk_freq", 1)
-        if index_topk_freq not in (None, 1):
-            raise NotImplementedError(
-                "Kimi-K3.1 DSA does not support index_topk_freq != 1 "
-                f"(index share), got {index_topk_freq}."
-            )
 
         index_q_input_size = (
             self.q_lora_rank if self.q_lora_rank is not None else self.hidden_size

@@ -136,15 +136,12 @@ class KimiK3DSAIndexer(nn.Module):
         # Leading dims of every head that get RoPE (neox pairing with the main
         # attention's cos_sin_cache: checkpoints are pair-permuted at
         # conversion). 0 = no indexer rope; the forward is then unchanged.
-        if index_rope_dim < 0 or index_rope_dim % 2 != 0:
-            raise ValueError(
-                f"dsa_config.index_rope_dim must be even and >= 0, got {index_rope_dim}"
-            )
-        if index_rope_dim > index_head_dim:
-            raise ValueError(
-                f"dsa_config.index_rope_dim ({index_rope_dim}) must not "
-                f"exceed index_head_dim ({index_head_dim})"
-            )
+        assert index_rope_dim >= 0 and index_rope_dim % 2 == 0, (
+            "odd or negative index_rope_dim: refused by DSAConfig"
+        )
+        assert index_rope_dim <= index_head_dim, (
+            "index_rope_dim above index_head_dim: refused by DSAConfig"
+        )
         self.index_rope_dim = index_rope_dim
         # wq_index may be fp8 block-quantized in fp8 checkpoints; wk and
         # weights_proj are bf16 and share one GEMM.
@@ -168,13 +165,11 @@ class KimiK3DSAIndexer(nn.Module):
             self.k_index_norm = KimiK3DSAIndexerKNorm(
                 self.index_head_dim, eps=rms_norm_eps
             )
-        elif index_k_norm_type == "rmsnorm":
-            self.k_index_norm = RMSNorm(self.index_head_dim, eps=rms_norm_eps)
         else:
-            raise ValueError(
-                f"dsa_config.index_k_norm_type must be 'rmsnorm' or "
-                f"'layernorm', got {index_k_norm_type!r}"
+            assert index_k_norm_type == "rmsnorm", (
+                "unknown index_k_norm_type: refused by DSAConfig"
             )
+            self.k_index_norm = RMSNorm(self.index_head_dim, eps=rms_norm_eps)
 
         # Power-of-two (ue8m0) key scales, as DeepSeek V3.2.
         self.scale_fmt = "ue8m0"
