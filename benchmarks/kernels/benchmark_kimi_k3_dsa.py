@@ -718,7 +718,7 @@ def main() -> None:
     )
 
     # Case names, one per kernel and format, are those of the recorded
-    # results (docs/results): the MXFP4 cases run the same entry points with
+    # results (benchmarks/results): the MXFP4 cases run the same entry points with
     # fp4=True.
     builders = [
         ("indexer_k_norm_quant_insert", lambda: insert_case(dims, False)),
