@@ -38,11 +38,12 @@ def test_plan_counts_the_planners_blocks(planned, capsys):
 
 
 def test_kernel_pages_of_the_allocated_indexer_cache(planned):
-    from vllm.plugins.kimi_k3_dsa import kernel_block_split
+    from dsa_series_mode import apply_seam
+
     from vllm.v1.kv_cache_interface import KVCacheLayout
     from vllm.v1.worker.utils import AttentionGroup, allocate_kv_cache
 
-    kernel_block_split.apply()
+    apply_seam("kernel_block_split")
     block, _, kv_cache_config = planned
     caches = allocate_kv_cache(
         kv_cache_config, torch.device("cpu"), KVCacheLayout.BLHNC

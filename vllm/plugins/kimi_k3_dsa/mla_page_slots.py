@@ -20,83 +20,28 @@ decode, dummy and CUDA-graph capture runs alike. The indexer of the same group
 derives its own slots from the kernel block table and reads these only for
 their -1s, which stay -1.
 
-In-tree edit: in ``_get_slot_mapping``, for a KV cache group whose MLA
-attention group has ``kernel_block_stride`` set, return
-``kernel_page_slots(...)`` of the block table's slots in a persistent buffer.
+In-tree edit: in ``_get_slot_mappings``, right after the per-group slot
+mappings are built and when an attention group has a kernel block stride,
+``remap_slot_mappings(self, slot_mappings_by_gid)``
+(:mod:`vllm.models.kimi_k3.common.dsa_slot_mappings`) puts a split MLA
+group's slots in kernel pages, so the per-layer mappings built from them
+follow.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
+# The logic lives in the cache layer (vLLM's tree calls it from the runner);
+# re-exported for callers of this seam.
+from vllm.models.kimi_k3.common.dsa_slot_mappings import (
+    remap_slot_mappings,
+    split_mla_groups,
+)
 
-from vllm.models.kimi_k3.common.dsa_cache import KimiK3FlashMLASparseBackend
-from vllm.models.kimi_k3.common.dsa_pages import kernel_page_slots
+__all__ = ["apply", "remap_slot_mappings", "split_mla_groups"]
 
 _MARK = "_kimi_k3_dsa_page_slots"
-_BUFFERS = "_kimi_k3_dsa_page_slot_buffers"
-
-
-def split_mla_groups(runner: Any) -> dict[int, Any]:
-    """KV cache group id -> the attention group of our MLA backend whose
-    cache the runner split into kernel pages."""
-    found = {}
-    for gid, groups in enumerate(getattr(runner, "attn_groups", None) or []):
-        for group in groups:
-            if (
-                isinstance(group.backend, type)
-                and issubclass(group.backend, KimiK3FlashMLASparseBackend)
-                and group.kernel_block_size is not None
-                and group.kernel_block_stride
-            ):
-                found[gid] = group
-    return found
-
-
-def remap_slot_mappings(
-    runner: Any,
-    by_gid: dict[int, torch.Tensor] | None,
-    by_layer: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]] | None,
-    ubatch_slices: Any,
-) -> tuple[Any, Any]:
-    """``_get_slot_mappings``' result with every split MLA group's slots in
-    kernel pages (the same tensor in both returned structures)."""
-    if by_gid is None or by_layer is None:
-        return by_gid, by_layer
-    split = split_mla_groups(runner)
-    if not split:
-        return by_gid, by_layer
-    buffers: dict[int, torch.Tensor] = runner.__dict__.setdefault(_BUFFERS, {})
-    for gid, group in split.items():
-        manager = by_gid[gid]
-        block_size = runner.kv_cache_config.kv_cache_groups[
-            gid
-        ].kv_cache_spec.block_size
-        full = runner.input_batch.block_table[gid].slot_mapping.gpu
-        buffer = buffers.get(gid)
-        if buffer is None or buffer.shape != full.shape:
-            buffer = buffers[gid] = torch.empty_like(full)
-        paged = buffer[: manager.shape[0]]
-        kernel_page_slots(
-            manager,
-            block_size,
-            group.kernel_block_size,
-            group.kernel_block_stride,
-            out=paged,
-        )
-        by_gid[gid] = paged
-        names = runner.kv_cache_config.kv_cache_groups[gid].layer_names
-        if isinstance(by_layer, dict):
-            by_layer.update((name, paged) for name in names if name in by_layer)
-        else:
-            for ubatch, mappings in zip(ubatch_slices, by_layer, strict=True):
-                mappings.update(
-                    (name, paged[ubatch.token_slice])
-                    for name in names
-                    if name in mappings
-                )
-    return by_gid, by_layer
 
 
 def apply() -> None:
