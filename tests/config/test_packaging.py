@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+# The plugin mechanism itself: vLLM's tree with the series applied has no
+# plugin (tools/patch_series/in_tree.py does not collect this module).
+pytestmark = pytest.mark.overlay_only
+
 ROOT = Path(__file__).resolve().parents[2]
 # Directories upstream vLLM owns: an __init__.py of ours there would replace
 # upstream's on install and break vLLM.

@@ -7,6 +7,10 @@ import pytest
 
 import vllm.plugins.kimi_k3_dsa as plugin
 
+# The plugin mechanism itself: vLLM's tree with the series applied has no
+# plugin (tools/patch_series/in_tree.py does not collect this module).
+pytestmark = pytest.mark.overlay_only
+
 
 def test_entry_point_is_listed():
     eps = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}

@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The generator of the upstream series (tools/make_patch_series.py): every
+file of ours lands in exactly one patch, each seam has its in-tree edit, and
+an edit whose anchor is not found exactly once stops it. The checks against
+vLLM's source need the extracted v0.33.0 sdist (``KIMI_K3_DSA_VLLM_SRC`` or
+``build/patch_series/vllm-0.33.0``) and skip without it."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from patch_series import series  # noqa: E402
+from patch_series.edits import Edit, EditError, apply_edits  # noqa: E402
+
+# This repository's tooling, not part of vLLM's tree.
+pytestmark = pytest.mark.overlay_only
+
+
+def _vllm_src() -> Path:
+    path = Path(
+        os.environ.get(
+            "KIMI_K3_DSA_VLLM_SRC", ROOT / "build" / "patch_series" / "vllm-0.33.0"
+        )
+    )
+    if not (path / "vllm" / "envs.py").is_file():
+        pytest.skip(f"no vLLM 0.33.0 source tree at {path} (make_patch_series --fetch)")
+    return path
+
+
+def test_unassigned_or_doubly_assigned_file_is_named() -> None:
+    groups = (
+        series.Group("a", "A", "", ("vllm/x/*.py",)),
+        series.Group("b", "B", "", ("vllm/x/b*.py", "vllm/y/**")),
+    )
+    assert series._assign(["vllm/x/a.py", "vllm/y/z/c.py"], groups) == {
+        "a": ["vllm/x/a.py"],
+        "b": ["vllm/y/z/c.py"],
+    }
+    with pytest.raises(series.SeriesError) as err:
+        series._assign(["vllm/x/b.py", "vllm/z.py", "vllm/x/sub/a.py"], groups)
+    message = str(err.value)
+    assert "vllm/x/b.py: matched by several groups ['a', 'b']" in message
+    assert "vllm/z.py: matched by no group" in message
+    # '*' stays within a folder.
+    assert "vllm/x/sub/a.py: matched by no group" in message
+
+
+def test_anchor_must_occur_exactly_once() -> None:
+    files: dict[str, str] = {}
+    upstream = {"f.py": "a = 1\nb = 2\nb = 2\n"}
+    assert apply_edits(files, [Edit("f.py", "a = 1\n", "a = 3\n")], upstream) == {
+        "f.py"
+    }
+    assert files["f.py"].startswith("a = 3\n")
+    with pytest.raises(EditError, match="f.py: anchor 'c = 1' .* not found"):
+        apply_edits(files, [Edit("f.py", "c = 1\n", "")], upstream)
+    with pytest.raises(EditError, match="found 2 times"):
+        apply_edits(files, [Edit("f.py", "b = 2\n", "")], upstream)
+    with pytest.raises(EditError, match="not a file of the vLLM source tree"):
+        apply_edits(files, [Edit("g.py", "x", "y")], upstream)
+
+
+def test_placeholder_must_be_imported_by_the_seam() -> None:
+    edits = (Edit("f.py", "x", "from <<helper>> import helper\n"),)
+    (edit,) = series.resolve_modules(edits, {"helper": "vllm.models.m"}, "s")
+    assert edit.replacement == "from vllm.models.m import helper\n"
+    with pytest.raises(series.SeriesError, match="does not import"):
+        series.resolve_modules(edits, {}, "s")
+
+
+def test_every_file_of_ours_in_exactly_one_patch() -> None:
+    patches = series.build_series(ROOT)
+    names = series.seam_names(ROOT)
+    seams = [p for p in patches if p.slug.startswith("seam-")]
+    assert [p.slug for p in seams] == [f"seam-{n}" for n in names]
+    for patch in seams:
+        assert patch.edits and not patch.files
+        assert "<<" not in "".join(e.replacement + e.anchor for e in patch.edits)
+    added = [path for p in patches for path in p.files]
+    assert len(added) == len(set(added))
+    assert not any(path.startswith(series.PLUGIN_DIR) for path in added)
+    files = series.repository_files(ROOT)
+    ours = [
+        f
+        for f in files
+        if f.startswith("vllm/")
+        and not f.startswith(series.PLUGIN_DIR + "/")
+        and not series._is_build_output(f)
+    ]
+    assert set(ours) <= set(added)
+    overlay_only = series.overlay_only_modules(ROOT, files)
+    assert "tests/config/test_plugin.py" in overlay_only
+    assert not any(series.upstream_test_path(t) in added for t in overlay_only)
+
+
+def test_series_applies_to_vllm_and_is_deterministic(tmp_path: Path) -> None:
+    from patch_series.generate import write_series
+
+    src = _vllm_src()
+    first = write_series(ROOT, src, tmp_path / "one", tmp_path / "git1")
+    second = write_series(ROOT, src, tmp_path / "two", tmp_path / "git2")
+    assert [p.name for p in first] == [p.name for p in second]
+    for a, b in zip(first, second, strict=True):
+        assert a.read_bytes() == b.read_bytes(), a.name

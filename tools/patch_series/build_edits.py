@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+# ruff: noqa: E501 (the strings quote lines of vLLM's files verbatim)
+"""Edits of vLLM's build files: the ``_kimi_k3_C`` CMake target, its entry in
+``setup.py``, the package data and console scripts of the new modules.
+
+What varies with this repository (the kernel sources, the scripts) is read
+from it when the series is generated, never listed here by hand.
+"""
+
+from __future__ import annotations
+
+from patch_series.edits import Edit, insert_after, insert_before
+
+CMAKE_MODULE = "cmake/kimi_k3_dsa.cmake"
+# Hopper (FlashMLA sparse / DeepGEMM SM90) and Blackwell datacenter parts, as
+# the overlay's setup.py builds them.
+KIMI_K3_DSA_ARCHS = "9.0a;10.0a"
+
+
+def cmake_module(sources: list[str]) -> str:
+    """``cmake/kimi_k3_dsa.cmake``: the target over ``sources`` (paths in
+    vLLM's tree; .cu and .cpp are compiled, headers are not listed)."""
+    compiled = [s for s in sources if s.endswith((".cu", ".cpp"))]
+    cuda = [s for s in compiled if s.endswith(".cu")]
+    src_lines = "".join(f'    "{s}"\n' for s in compiled)
+    cuda_lines = "".join(f'    "{s}"\n' for s in cuda)
+    return (
+        "# Kimi K3.1 DSA kernels (indexer key insert, fused DSA prologue) as their\n"
+        "# own extension, vllm._kimi_k3_C: ops under torch.ops._kimi_k3_C, called\n"
+        "# from vllm/models/kimi_k3/nvidia/dsa_ops/. SM90a and SM100a only; without\n"
+        "# either in the target architectures the target is empty and the DSA\n"
+        "# layers serve with upstream ops.\n"
+        "#\n"
+        "# The ops are registered with TORCH_LIBRARY on the full libtorch API (not\n"
+        "# the stable ABI of _C_stable_libtorch) and loaded by\n"
+        "# `import vllm._kimi_k3_C`, an empty pybind11 module: hence no USE_SABI\n"
+        "# and the torch_python link.\n"
+        "\n"
+        "cuda_archs_loose_intersection(KIMI_K3_DSA_ARCHS\n"
+        f'  "{KIMI_K3_DSA_ARCHS}" "${{CUDA_ARCHS}}")\n'
+        "if(KIMI_K3_DSA_ARCHS)\n"
+        "  set(KIMI_K3_DSA_SRC\n"
+        f"{src_lines}"
+        "  )\n"
+        "  set(KIMI_K3_DSA_CUDA_SRC\n"
+        f"{cuda_lines}"
+        "  )\n"
+        "  set_gencode_flags_for_srcs(\n"
+        '    SRCS "${KIMI_K3_DSA_CUDA_SRC}"\n'
+        '    CUDA_ARCHS "${KIMI_K3_DSA_ARCHS}")\n'
+        "  find_library(KIMI_K3_DSA_TORCH_PYTHON torch_python\n"
+        '    PATHS "${TORCH_INSTALL_PREFIX}/lib" REQUIRED)\n'
+        '  message(STATUS "Building _kimi_k3_C for archs: ${KIMI_K3_DSA_ARCHS}")\n'
+        "  define_extension_target(\n"
+        "    _kimi_k3_C\n"
+        "    DESTINATION vllm\n"
+        "    LANGUAGE CUDA\n"
+        "    SOURCES ${KIMI_K3_DSA_SRC}\n"
+        "    COMPILE_FLAGS ${VLLM_GPU_FLAGS} -lineinfo --expt-relaxed-constexpr\n"
+        "    LIBRARIES ${KIMI_K3_DSA_TORCH_PYTHON}\n"
+        "    WITH_SOABI)\n"
+        "else()\n"
+        '  message(STATUS "Not building _kimi_k3_C as no SM90a/SM100a is in the CUDA "\n'
+        '                 "target architectures")\n'
+        "  # Empty target so that the build step of setup.py can always name it.\n"
+        "  add_custom_target(_kimi_k3_C)\n"
+        "endif()\n"
+    )
+
+
+def kernel_edits() -> tuple[Edit, ...]:
+    """Include the target in vLLM's CMakeLists.txt and list the extension in
+    its setup.py."""
+    return (
+        insert_before(
+            "CMakeLists.txt",
+            "# For CUDA and HIP builds also build the triton_kernels external package.\n",
+            "# Kimi K3.1 DSA kernels: the _kimi_k3_C extension.\n"
+            'if(VLLM_GPU_LANG STREQUAL "CUDA")\n'
+            f"  include({CMAKE_MODULE})\n"
+            "endif()\n"
+            "\n",
+        ),
+        insert_after(
+            "setup.py",
+            '    ext_modules.append(CMakeExtension(name="vllm.tml_fa4", optional=True))\n',
+            "    # Kimi K3.1 DSA kernels; an empty target without SM90a/SM100a.\n"
+            '    ext_modules.append(CMakeExtension(name="vllm._kimi_k3_C", optional=True))\n',
+        ),
+    )
+
+
+def cli_edits(scripts: dict[str, str], data_globs: list[str]) -> tuple[Edit, ...]:
+    """Console scripts in vLLM's pyproject.toml and the package data the
+    CLIs read (globs relative to ``vllm/``) in its setup.py."""
+    script_lines = "".join(f'{name} = "{target}"\n' for name, target in scripts.items())
+    data_lines = "".join(f'        "{glob}",\n' for glob in data_globs)
+    return (
+        insert_after(
+            "pyproject.toml",
+            '[project.scripts]\nvllm = "vllm.entrypoints.cli.main:main"\n',
+            script_lines,
+        ),
+        insert_after(
+            "setup.py",
+            '        "transformers_utils/chat_templates/*.jinja",\n',
+            "        # Kimi K3.1's bundled config (KV plan, tiny checkpoint CLIs)\n"
+            + data_lines,
+        ),
+    )

@@ -1,0 +1,233 @@
+# SPDX-License-Identifier: Apache-2.0
+"""In-tree mode: the series applied to vLLM v0.33.0's source, its Python
+files laid over a pristine installed vLLM 0.33.0, the plugin absent, and this
+repository's CPU suite run against that.
+
+    python tools/patch_series/in_tree.py snapshot   # before `pip install .`
+    python tools/patch_series/in_tree.py run [--fetch | --vllm-src DIR]
+
+``snapshot`` hard-links the files of the installed vLLM wheel (its
+``RECORD``; CI takes it before the overlay goes in) to
+``build/patch_series/pristine/vllm``. ``run`` generates the
+series, applies it patch by patch to a copy of the sdist tree (GNU patch
+with no fuzz and no offset allowed, then ``git apply``), lays every file the
+series adds or changes under ``vllm/`` over a copy of the snapshot, and runs
+``pytest -m "not gpu and not overlay_only" tests`` with that copy first on
+the path and ``VLLM_PLUGINS`` set so that no plugin of ours loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from patch_series.fetch import DEFAULT_DIR, ROOT, fetch_sdist
+from patch_series.generate import write_series
+from patch_series.series import (
+    OVERLAY_ONLY_MARKER,
+    overlay_only_modules,
+    repository_files,
+)
+
+PRISTINE = DEFAULT_DIR / "pristine"
+# The plugin names this repository registers; none may load in-tree.
+PLUGIN_ENTRY_POINT = "kimi_k3_dsa"
+# Anything but our plugin's name: vLLM then loads no general plugin of ours.
+IN_TREE_VLLM_PLUGINS = "none"
+
+
+def _log(msg: str) -> None:
+    print(f"[in-tree] {msg}", flush=True)
+
+
+def _fresh_copy(src: Path, dst: Path) -> None:
+    """``dst`` becomes a hard-link copy of ``src`` (files are never written
+    through: every file changed later is unlinked and replaced)."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cp", "-al", str(src), str(dst)], check=True)
+
+
+def _replace(src: Path, dst: Path) -> None:
+    """Write ``src`` to ``dst`` as a new file (breaking any hard link)."""
+    if dst.exists() or dst.is_symlink():
+        dst.unlink()
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    shutil.copymode(src, dst)
+
+
+def installed_vllm() -> Path:
+    return Path(sysconfig.get_paths()["purelib"]) / "vllm"
+
+
+def snapshot(dest: Path = PRISTINE) -> Path:
+    """Hard-link copy of the installed vLLM wheel's own files (those its
+    ``RECORD`` lists), without anything installed into the package since."""
+    from importlib.metadata import distribution
+
+    dist = distribution("vllm")
+    site = Path(str(dist.locate_file("")))
+    package = dest / "vllm"
+    if package.exists():
+        shutil.rmtree(package)
+    count = 0
+    for entry in dist.files or []:
+        if entry.parts[0] != "vllm" or "__pycache__" in entry.parts:
+            continue
+        src = site / entry
+        if not src.is_file():
+            continue
+        target = dest / entry
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.link(src, target)
+        count += 1
+    if (package / "plugins" / "kimi_k3_dsa").exists() or count == 0:
+        raise SystemExit(f"{site / 'vllm'} is not a vLLM wheel install")
+    _log(f"snapshot of vLLM {dist.version} ({count} files) in {package}")
+    return package
+
+
+def _series_paths(patch: Path) -> list[str]:
+    """Files a patch adds or changes (``b/`` side of its diffs)."""
+    return re.findall(r"^\+\+\+ b/(\S+)$", patch.read_text(), flags=re.M)
+
+
+def apply_series(patches: list[Path], vllm_src: Path, tree: Path) -> set[str]:
+    """Apply the series to a copy of ``vllm_src`` at ``tree``, refusing any
+    fuzz or offset. Returns the paths it added or changed."""
+    _fresh_copy(vllm_src, tree)
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))
+    changed: set[str] = set()
+    for patch in patches:
+        paths = _series_paths(patch)
+        for path in paths:  # never patch through a hard link
+            file = tree / path
+            if file.is_file():
+                data = file.read_bytes()
+                file.unlink()
+                file.write_bytes(data)
+        dry = subprocess.run(
+            ["patch", "-p1", "-F0", "-N", "--dry-run", "-i", str(patch)],
+            cwd=tree,
+            capture_output=True,
+            text=True,
+        )
+        if dry.returncode or re.search(r"offset|fuzz", dry.stdout, flags=re.I):
+            raise SystemExit(
+                f"{patch.name} does not apply cleanly to vLLM's tree:\n"
+                f"{dry.stdout}{dry.stderr}"
+            )
+        subprocess.run(
+            ["git", "apply", "--whitespace=error-all", str(patch)],
+            cwd=tree,
+            env=env,
+            check=True,
+        )
+        changed.update(paths)
+        _log(f"applied {patch.name} (no fuzz, no offset): {len(paths)} files")
+    return changed
+
+
+def lay_over(
+    pristine: Path, tree: Path, changed: set[str], vllm_src: Path, dest: Path
+) -> Path:
+    """``dest/vllm``: the pristine package with the series' Python-side files
+    (under ``vllm/``) from the patched tree."""
+    package = dest / "vllm"
+    _fresh_copy(pristine, package)
+    for path in sorted(p for p in changed if p.startswith("vllm/")):
+        original = vllm_src / path
+        installed = pristine / path.removeprefix("vllm/")
+        if original.is_file() and installed.read_bytes() != original.read_bytes():
+            raise SystemExit(
+                f"the installed wheel's {path} differs from the sdist's: the "
+                "patched file would not stand for an edit of this wheel"
+            )
+        _replace(tree / path, dest / path)
+    extension = sorted(installed_vllm().glob("_kimi_k3_C*.so"))
+    for so in extension:
+        # The kernels the overlay built from csrc/ stand for the target the
+        # series adds to vLLM's CMake build (same sources).
+        _replace(so, package / so.name)
+    _log(
+        f"{package}: pristine vLLM + {sum(p.startswith('vllm/') for p in changed)} "
+        f"files of the series" + (f" + {extension[0].name}" if extension else "")
+    )
+    return package
+
+
+def run_tests(dest: Path, pytest_args: list[str]) -> int:
+    ignored = overlay_only_modules(ROOT, repository_files(ROOT))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(dest), str(ROOT / "tools"), env.get("PYTHONPATH", "")]
+    ).rstrip(os.pathsep)
+    env["VLLM_PLUGINS"] = IN_TREE_VLLM_PLUGINS
+    env["KIMI_K3_DSA_IN_TREE"] = str(dest / "vllm")
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "patch_series.in_tree_pytest",
+        "-m",
+        f"not gpu and not {OVERLAY_ONLY_MARKER}",
+        *[f"--ignore={m}" for m in ignored],
+        *pytest_args,
+        "tests",
+    ]
+    _log("not collected (overlay-only modules): " + (", ".join(ignored) or "none"))
+    _log(" ".join(cmd))
+    return subprocess.run(cmd, cwd=ROOT, env=env).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("snapshot", help="hard-link the installed vLLM wheel's files")
+    run = sub.add_parser("run", help="generate, apply and test in-tree")
+    run.add_argument("--vllm-src", type=Path, help="extracted vLLM 0.33.0 sdist")
+    run.add_argument("--fetch", action="store_true", help="download the sdist")
+    run.add_argument("--pristine", type=Path, default=PRISTINE / "vllm")
+    run.add_argument("pytest_args", nargs="*", help="extra pytest arguments")
+    args = parser.parse_args(argv)
+    if args.command == "snapshot":
+        snapshot()
+        return 0
+
+    start = time.monotonic()
+    vllm_src = args.vllm_src or (
+        fetch_sdist(DEFAULT_DIR) if args.fetch else DEFAULT_DIR / "vllm-0.33.0"
+    )
+    if not args.pristine.is_dir():
+        raise SystemExit(f"{args.pristine} missing: run `snapshot` first")
+    patches = write_series(ROOT, vllm_src, DEFAULT_DIR / "patches", DEFAULT_DIR / "git")
+    _log(f"{len(patches)} patches generated in {DEFAULT_DIR / 'patches'}")
+    changed = apply_series(patches, vllm_src, DEFAULT_DIR / "applied")
+    lay_over(
+        args.pristine,
+        DEFAULT_DIR / "applied",
+        changed,
+        vllm_src,
+        DEFAULT_DIR / "in_tree",
+    )
+    _log(f"series applied and laid over in {time.monotonic() - start:.0f} s")
+    status = run_tests(DEFAULT_DIR / "in_tree", args.pytest_args)
+    _log(f"in-tree stage: {time.monotonic() - start:.0f} s, pytest exit {status}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

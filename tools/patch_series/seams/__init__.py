@@ -1,0 +1,10 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The in-tree edit of each plugin seam, one module per seam.
+
+Each module is named after its seam (``vllm/plugins/kimi_k3_dsa/<name>.py``)
+and defines ``SUBJECT`` (the commit subject) and ``EDITS`` (exact-anchor
+replacements in vLLM v0.33.0's files). The commit message body is the seam
+module's own docstring, so what the series says and what the plugin says
+cannot drift apart. The edits call the same functions the seam calls (in
+``vllm/models/kimi_k3/``); only the wiring is written here.
+"""

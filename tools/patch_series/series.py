@@ -1,0 +1,453 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the series is made of, in order, derived from the repository.
+
+Every file of ours lands in exactly one patch: the files under ``vllm/`` (the
+plugin excepted) by the glob groups below, the kernels, the tests and the
+benchmarks by their folder. A file that no group claims, or that two claim,
+stops the generator with its name: a new module has to be placed in the
+series on purpose. Each plugin seam becomes the patch of its in-tree edit
+(:mod:`patch_series.seams`), with the seam's docstring as the message.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path, PurePosixPath
+
+from patch_series import build_edits
+from patch_series.edits import Edit
+
+VLLM_VERSION = "0.33.0"
+SDIST_URL = (
+    "https://files.pythonhosted.org/packages/f7/25/"
+    "aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz"
+)
+SDIST_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
+
+PLUGIN_DIR = "vllm/plugins/kimi_k3_dsa"
+# A test module whose module-level ``pytestmark`` names this marker is about
+# the plugin itself: it stays out of the series and out of the in-tree run.
+OVERLAY_ONLY_MARKER = "overlay_only"
+
+_K3 = "vllm/models/kimi_k3"
+
+
+class SeriesError(RuntimeError):
+    """The repository and the series definition disagree."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """New files of one patch: repository paths matching ``patterns``
+    (``*`` stays within a folder, ``**`` crosses folders)."""
+
+    slug: str
+    subject: str
+    body: str
+    patterns: tuple[str, ...]
+
+    def matches(self, path: str) -> bool:
+        return any(_glob_regex(p).fullmatch(path) for p in self.patterns)
+
+
+@dataclass
+class Patch:
+    """One commit of the series: new files (upstream path -> bytes, mode)
+    and edits of upstream files."""
+
+    slug: str
+    subject: str
+    body: str
+    files: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    edits: tuple[Edit, ...] = ()
+
+    @property
+    def message(self) -> str:
+        return f"{self.subject}\n\n{self.body.strip()}\n"
+
+
+MODULE_GROUPS: tuple[Group, ...] = (
+    Group(
+        "ops",
+        "[Kernel] Kimi K3.1 DSA: python entry points and torch references of the "
+        "DSA kernels",
+        "The kernels' python side, beside upstream's own nvidia/ops/: each entry\n"
+        "point calls torch.ops._kimi_k3_C when the extension is built and has a\n"
+        "pure-torch reference that defines its exact semantics, byte for byte\n"
+        "(the fp8_ds_mla and indexer cache formats). Imports torch and the\n"
+        "extension only, so the kernels' tests run without the rest of vLLM.",
+        (f"{_K3}/nvidia/dsa_ops/**",),
+    ),
+    Group(
+        "config",
+        "[Model] Kimi K3.1 DSA: the dsa_config and its rules",
+        "The parsed dsa_config of a Kimi K3.1 checkpoint (KimiLinearDSAConfig,\n"
+        "KimiK3DSAConfig) and every rule a DSA deployment must satisfy, in one\n"
+        "place: the config verifier, the KV plan CLI and the layers call it.\n"
+        "Nothing reads it yet; the seams later in this series wire it in.",
+        (
+            f"{_K3}/common/dsa_config*.py",
+            f"{_K3}/common/dsa_envs*.py",
+            f"{_K3}/common/dsa_settings*.py",
+        ),
+    ),
+    Group(
+        "cache",
+        "[Model] Kimi K3.1 DSA: indexer cache, packed block size, kernel pages",
+        "The indexer key cache and its metadata builder, the FlashMLA sparse\n"
+        "backend of the DSA layers, the byte arithmetic of the packed block row\n"
+        "(MLA + indexer + draft pages per token, its KDA states) and the\n"
+        "64-token kernel-page views and slots of that row.",
+        (
+            f"{_K3}/common/dsa_cache*.py",
+            f"{_K3}/common/dsa_block_size*.py",
+            f"{_K3}/common/dsa_pages*.py",
+            f"{_K3}/common/dsa_slot*.py",
+        ),
+    ),
+    Group(
+        "layers",
+        "[Model] Kimi K3.1 DSA: attention layers, model state and weight routing",
+        "KimiK3DSAAttention (sparse MLA over the lightning indexer's top-k),\n"
+        "its indexer, the model-level top-k buffer and index-group builder the\n"
+        "layers share, and the routing of the checkpoint's indexer tensors.\n"
+        "Kimi K3's decoder does not build them yet (see the dsa_layers patch).",
+        (f"{_K3}/nvidia/dsa*.py",),
+    ),
+    Group(
+        "clis",
+        "[Model] Kimi K3.1 DSA: KV-plan and tiny-checkpoint CLIs",
+        "kimi-k3-dsa-kv-plan prints the KV cache plan of a Kimi K3.1 deployment\n"
+        "without a GPU (checking the config with the engine's own rules first);\n"
+        "kimi-k3-dsa-tiny-checkpoint writes a tiny Kimi K3.1 checkpoint for a\n"
+        "one-GPU smoke test. Both are console scripts; the bundled Kimi K3.1\n"
+        "config ships as package data.",
+        (
+            "vllm/entrypoints/kimi_k3_dsa/**",
+            f"{_K3}/common/dsa_kv_plan*.py",
+            f"{_K3}/common/dsa_tiny_*.py",
+            f"{_K3}/common/data/**",
+        ),
+    ),
+)
+
+KERNELS = Group(
+    "kernels",
+    "[Kernel] Kimi K3.1 DSA: the _kimi_k3_C extension (SM90a, SM100a)",
+    "The CUDA kernels of the DSA layers: the indexer key insert (LayerNorm,\n"
+    "fp8 or MXFP4 quantization, cache write, top-k fill) and the fused DSA\n"
+    "prologue (q/kv norms, fp8_ds_mla and indexer cache writes in one launch).\n"
+    "They build into their own extension, vllm._kimi_k3_C (ops in\n"
+    "torch.ops._kimi_k3_C), for SM90a and SM100a only, defined in\n"
+    "cmake/kimi_k3_dsa.cmake and listed (optional) in setup.py. Without it the\n"
+    "DSA layers serve with upstream ops only.",
+    ("csrc/**",),
+)
+TESTS = Group(
+    "tests",
+    "[Test] Kimi K3.1 DSA: CPU and GPU tests",
+    "The CPU suite (config rules, cache bytes and block sizes on vLLM's own\n"
+    "planner, layer construction and forward on the CPU, weight loading, the\n"
+    "CLIs) and the GPU tests of the kernels and of serving.\n"
+    "Run the CPU part with: pytest -m 'not gpu' tests/models/kimi_k3/dsa",
+    ("tests/**",),
+)
+BENCHMARKS = Group(
+    "benchmarks",
+    "[Perf] Kimi K3.1 DSA: kernel and fidelity benchmarks",
+    "The DSA kernels against vLLM's own Triton prologue for DeepSeek V3.2, and\n"
+    "the top-k recall / layer error of the indexer key formats.",
+    ("benchmarks/**",),
+)
+
+
+def upstream_test_path(path: str) -> str:
+    """Where a test of ours sits in vLLM's tests/ layout: the kernels'
+    tests under tests/kernels/kimi_k3_dsa/, everything else (conftests and
+    helpers included, so fixtures resolve as here) under
+    tests/models/kimi_k3/dsa/."""
+    rel = PurePosixPath(path).relative_to("tests")
+    if rel.parts[0] == "kernels":
+        return str(PurePosixPath("tests/kernels/kimi_k3_dsa", *rel.parts[1:]))
+    return str(PurePosixPath("tests/models/kimi_k3/dsa", rel))
+
+
+def upstream_csrc_path(path: str) -> str:
+    """Our kernels beside upstream's Kimi K3 (KDA) kernels, in their own
+    folder: csrc/kimi_k3/x.cu -> csrc/kimi_k3/dsa/x.cu."""
+    rel = PurePosixPath(path).relative_to("csrc/kimi_k3")
+    return str(PurePosixPath("csrc/kimi_k3/dsa", rel))
+
+
+# ---------------------------------------------------------------------------
+
+
+@cache
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out))
+
+
+def repository_files(root: Path) -> list[str]:
+    """Tracked and untracked (not ignored) files of the checkout that exist:
+    what a fresh clone would hold, plus work not yet committed."""
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    return sorted({p for p in out.split("\0") if p and (root / p).is_file()})
+
+
+def is_overlay_only_test(source: str) -> bool:
+    """Whether a test module is marked overlay-only at module level."""
+    tree = ast.parse(source)
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(
+                isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets
+            )
+            and OVERLAY_ONLY_MARKER in ast.unparse(node.value)
+        ):
+            return True
+    return False
+
+
+def overlay_only_modules(root: Path, files: Iterable[str]) -> list[str]:
+    """Test modules about the plugin itself (not part of vLLM's tree)."""
+    return [
+        f
+        for f in files
+        if f.startswith("tests/")
+        and PurePosixPath(f).name.startswith("test_")
+        and f.endswith(".py")
+        and is_overlay_only_test((root / f).read_text())
+    ]
+
+
+def seam_names(root: Path) -> tuple[str, ...]:
+    """The plugin's seams, in the order it applies them (``PATCH_MODULES``)."""
+    tree = ast.parse((root / PLUGIN_DIR / "__init__.py").read_text())
+    for node in tree.body:
+        target = getattr(node, "target", None) or (
+            node.targets[0] if isinstance(node, ast.Assign) else None
+        )
+        if isinstance(target, ast.Name) and target.id == "PATCH_MODULES":
+            return tuple(ast.literal_eval(node.value))
+    raise SeriesError(f"{PLUGIN_DIR}/__init__.py defines no PATCH_MODULES")
+
+
+def seam_docstring(root: Path, name: str) -> str:
+    source = (root / PLUGIN_DIR / f"{name}.py").read_text()
+    doc = ast.get_docstring(ast.parse(source))
+    if not doc:
+        raise SeriesError(f"seam {name} has no docstring to use as its message")
+    return doc
+
+
+_PLACEHOLDER = re.compile(r"<<(\w+)>>")
+
+
+def seam_imports(root: Path, name: str) -> dict[str, str]:
+    """Name -> module of every ``from module import name`` in a plugin seam."""
+    tree = ast.parse((root / PLUGIN_DIR / f"{name}.py").read_text())
+    found: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                found[alias.name] = node.module
+    return found
+
+
+def resolve_modules(edits: Iterable[Edit], imports: dict[str, str], seam: str):
+    """Replace each ``<<name>>`` in the edits by the module the plugin seam
+    imports ``name`` from: the in-tree edit calls the very function the seam
+    calls, wherever the model code keeps it."""
+
+    def module(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in imports:
+            raise SeriesError(
+                f"the in-tree edit of seam {seam} uses {name}, which "
+                f"{PLUGIN_DIR}/{seam}.py does not import"
+            )
+        return imports[name]
+
+    return tuple(
+        Edit(
+            e.path,
+            _PLACEHOLDER.sub(module, e.anchor),
+            _PLACEHOLDER.sub(module, e.replacement),
+        )
+        for e in edits
+    )
+
+
+def _assign(files: Iterable[str], groups: tuple[Group, ...]) -> dict[str, list[str]]:
+    """Group slug -> its files; every file in exactly one group."""
+    assigned: dict[str, list[str]] = {g.slug: [] for g in groups}
+    problems = []
+    for path in files:
+        owners = [g.slug for g in groups if g.matches(path)]
+        if len(owners) != 1:
+            what = "no group" if not owners else f"several groups {owners}"
+            problems.append(f"  {path}: matched by {what}")
+            continue
+        assigned[owners[0]].append(path)
+    if problems:
+        raise SeriesError(
+            "every file of ours must land in exactly one patch; fix the groups in "
+            "tools/patch_series/series.py:\n" + "\n".join(problems)
+        )
+    return assigned
+
+
+def _is_build_output(path: str) -> bool:
+    p = PurePosixPath(path)
+    return "__pycache__" in p.parts or p.suffix in {".so", ".pyc", ".o"}
+
+
+def _read(root: Path, path: str) -> tuple[bytes, int]:
+    file = root / path
+    mode = 0o100755 if file.stat().st_mode & 0o111 else 0o100644
+    return file.read_bytes(), mode
+
+
+def _module_summary(root: Path, paths: list[str], dest: dict[str, str]) -> str:
+    lines = []
+    for path in paths:
+        summary = ""
+        if path.endswith(".py"):
+            doc = ast.get_docstring(ast.parse((root / path).read_text()))
+            if doc:
+                summary = " ".join(doc.split("\n\n")[0].split())
+                if len(summary) > 140:
+                    summary = summary[:137].rstrip() + "..."
+        line = f"- {dest[path]}"
+        lines.append(f"{line}: {summary}" if summary else line)
+    return "\n".join(lines)
+
+
+def build_series(root: Path) -> list[Patch]:
+    """The whole series, in order, from the checkout at ``root``."""
+    files = [f for f in repository_files(root) if not _is_build_output(f)]
+    ours = [
+        f for f in files if f.startswith("vllm/") and not f.startswith(f"{PLUGIN_DIR}/")
+    ]
+    by_group = _assign(ours, MODULE_GROUPS)
+    patches: list[Patch] = []
+
+    def new_files_patch(group: Group, paths: list[str], dest: dict[str, str]) -> Patch:
+        if not paths:
+            raise SeriesError(f"group {group.slug!r} matches no file")
+        body = f"{group.body}\n\nNew files:\n{_module_summary(root, paths, dest)}"
+        return Patch(
+            group.slug,
+            group.subject,
+            body,
+            files={dest[p]: _read(root, p) for p in paths},
+        )
+
+    for group in MODULE_GROUPS:
+        paths = by_group[group.slug]
+        patch = new_files_patch(group, paths, {p: p for p in paths})
+        if group.slug == "clis":
+            patch.edits = build_edits.cli_edits(
+                _console_scripts(root), _package_data_globs(paths)
+            )
+        patches.append(patch)
+        if group.slug == "ops":
+            patches.append(_kernels_patch(root, files, new_files_patch))
+
+    names = seam_names(root)
+    available = {
+        p.stem
+        for p in (Path(__file__).parent / "seams").glob("*.py")
+        if p.stem != "__init__"
+    }
+    if set(names) != available:
+        raise SeriesError(
+            f"plugin seams {sorted(set(names))} and the in-tree edits of "
+            f"tools/patch_series/seams {sorted(available)} differ: each seam needs "
+            "exactly one edit module"
+        )
+    all_imports: dict[str, str] = {}
+    for name in names:
+        all_imports.update(seam_imports(root, name))
+    for name in names:
+        spec = importlib.import_module(f"patch_series.seams.{name}")
+        body = (
+            f"{seam_docstring(root, name)}\n\n"
+            f"The overlay (vllm-kimi-k3-dsa) applies this edit as the plugin seam\n"
+            f"{PLUGIN_DIR}/{name}.py, which calls the same functions."
+        )
+        # An anchor may quote an earlier seam's import: every seam's imports
+        # resolve, the seam's own first.
+        imports = {**all_imports, **seam_imports(root, name)}
+        edits = resolve_modules(spec.EDITS, imports, name)
+        patches.append(Patch(f"seam-{name}", spec.SUBJECT, body, edits=edits))
+
+    overlay_only = set(overlay_only_modules(root, files))
+    tests = [f for f in files if f.startswith("tests/") and f not in overlay_only]
+    patch = new_files_patch(TESTS, tests, {p: upstream_test_path(p) for p in tests})
+    if overlay_only:
+        patch.body += (
+            "\n\nNot included (they test the overlay's plugin mechanism, which "
+            "vLLM's tree\ndoes not have): " + ", ".join(sorted(overlay_only))
+        )
+    patches.append(patch)
+    benches = [f for f in files if BENCHMARKS.matches(f)]
+    patches.append(new_files_patch(BENCHMARKS, benches, {p: p for p in benches}))
+    return patches
+
+
+def _kernels_patch(root: Path, files: list[str], new_files_patch) -> Patch:
+    sources = [f for f in files if KERNELS.matches(f)]
+    dest = {p: upstream_csrc_path(p) for p in sources}
+    patch = new_files_patch(KERNELS, sources, dest)
+    module = build_edits.cmake_module([dest[p] for p in sources])
+    patch.files[build_edits.CMAKE_MODULE] = (module.encode(), 0o100644)
+    patch.edits = build_edits.kernel_edits()
+    return patch
+
+
+def _console_scripts(root: Path) -> dict[str, str]:
+    """Our console scripts, as this repository's pyproject.toml declares them."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    with (root / "pyproject.toml").open("rb") as f:
+        return dict(tomllib.load(f)["project"].get("scripts", {}))
+
+
+def _package_data_globs(paths: list[str]) -> list[str]:
+    """Globs (relative to ``vllm/``) covering the non-Python files of a group."""
+    globs = set()
+    for path in paths:
+        p = PurePosixPath(path)
+        if p.suffix != ".py":
+            globs.add(str(p.parent.relative_to("vllm") / f"*{p.suffix}"))
+    return sorted(globs)
