@@ -131,6 +131,8 @@ def write_series(root: Path, vllm_src: Path, out_dir: Path, work: Path) -> list[
         target = work / path
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(vllm_src / path, target)
+        # The mode is part of the patch header (vllm/envs.py is executable).
+        shutil.copymode(vllm_src / path, target)
     _git(work, "add", "--", *base)
     _git(
         work,
@@ -146,8 +148,9 @@ def write_series(root: Path, vllm_src: Path, out_dir: Path, work: Path) -> list[
             target = work / path
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
-            mode = patch.files.get(path, (b"", 0o100644))[1]
-            target.chmod(0o755 if mode == 0o100755 else 0o644)
+            if path in patch.files:
+                executable = patch.files[path][1] == 0o100755
+                target.chmod(0o755 if executable else 0o644)
         _git(work, "add", "--", *sorted(changed))
         subprocess.run(
             ["git", "commit", "-q", "--no-verify", "-F", "-"],

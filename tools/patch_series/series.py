@@ -53,7 +53,7 @@ class Group:
     patterns: tuple[str, ...]
 
     def matches(self, path: str) -> bool:
-        return any(_glob_regex(p).fullmatch(path) for p in self.patterns)
+        return any(series_glob(p).fullmatch(path) for p in self.patterns)
 
 
 @dataclass
@@ -165,6 +165,9 @@ BENCHMARKS = Group(
     "the top-k recall / layer error of the indexer key formats.",
     ("benchmarks/**",),
 )
+# Dated run records (logs, raw JSON) stay in this repository; vLLM's tree
+# takes the benchmark scripts only.
+NOT_UPSTREAM = ("benchmarks/results/**",)
 
 
 def upstream_test_path(path: str) -> str:
@@ -189,7 +192,7 @@ def upstream_csrc_path(path: str) -> str:
 
 
 @cache
-def _glob_regex(pattern: str) -> re.Pattern[str]:
+def series_glob(pattern: str) -> re.Pattern[str]:
     out = []
     i = 0
     while i < len(pattern):
@@ -418,7 +421,12 @@ def build_series(root: Path) -> list[Patch]:
             "vLLM's tree\ndoes not have): " + ", ".join(sorted(overlay_only))
         )
     patches.append(patch)
-    benches = [f for f in files if BENCHMARKS.matches(f)]
+    benches = [
+        f
+        for f in files
+        if BENCHMARKS.matches(f)
+        and not any(series_glob(p).fullmatch(f) for p in NOT_UPSTREAM)
+    ]
     patches.append(new_files_patch(BENCHMARKS, benches, {p: p for p in benches}))
     return patches
 
