@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm.config import CacheConfig, get_current_vllm_config
+from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -150,6 +150,83 @@ class KimiK3DSAAttention(nn.Module):
         self.scaling = self.qk_head_dim**-0.5
         self.max_position_embeddings = config.max_position_embeddings
 
+        self._init_projections(config, quant_config, reduce_results, prefix)
+        self._init_rope_and_gate(config, quant_config, prefix)
+
+        self.index_topk = dsa_config.index_topk
+        self.index_head_dim = dsa_config.index_head_dim
+        self.index_num_heads = dsa_config.index_num_heads
+        self.index_rope_dim = dsa_config.index_rope_dim
+        # The dsa_config rules ran at config time (DSAConfig.from_dict,
+        # check_dsa_model); a layer built past them is a programming error.
+        assert not (self.index_rope_dim > 0 and self.use_nope), (
+            "index_rope_dim > 0 with mla_use_nope: refused by check_dsa_model"
+        )
+        assert self.index_rope_dim <= min(self.qk_rope_head_dim, self.index_head_dim), (
+            "index_rope_dim above qk_rope_head_dim or index_head_dim: refused by "
+            "check_dsa_model"
+        )
+        assert getattr(dsa_config, "index_topk_freq", 1) in (None, 1), (
+            "index_topk_freq != 1: refused by DSAConfig"
+        )
+
+        vllm_config = get_current_vllm_config()
+        self.topk_indices_buffer = self._model_topk_buffer(
+            vllm_config, topk_indices_buffer
+        )
+
+        index_q_input_size = (
+            self.q_lora_rank if self.q_lora_rank is not None else self.hidden_size
+        )
+        self.dsa_indexer = KimiK3DSAIndexer(
+            vllm_config=vllm_config,
+            hidden_size=self.hidden_size,
+            index_q_input_size=index_q_input_size,
+            index_head_dim=self.index_head_dim,
+            index_num_heads=self.index_num_heads,
+            index_topk=self.index_topk,
+            rms_norm_eps=config.rms_norm_eps,
+            index_rope_dim=self.index_rope_dim,
+            index_k_norm_type=dsa_config.index_k_norm_type,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            topk_indices_buffer=self.topk_indices_buffer,
+            prefix=f"{prefix}.dsa_indexer",
+        )
+
+        self._init_mla_wrapper(cache_config, quant_config, prefix, index_group_builder)
+
+        use_kimi_k3_mla_backend(self.mla_attn.mla_attn)
+
+        indexer = self.dsa_indexer
+        # Dense-MHA prefills never read the top-k indices (PCP excluded, as
+        # upstream). Our indexer has no ``indexer_op``, so the wrapper leaves
+        # this to us.
+        if not indexer.use_pcp:
+            indexer.dense_mha_metadata_layer_name = self.mla_attn.mla_attn.layer_name
+        # ShardQ: the indexer cache follows the MLA layer's split (never on
+        # 0.33.0, whose MLAAttention has no use_shardq).
+        if getattr(self.mla_attn.mla_attn, "use_shardq", False):
+            indexer.k_cache.use_shardq = True
+
+        offload = vllm_config.offload_config
+        self.weights_offloaded = (
+            offload.uva.cpu_offload_gb > 0 or offload.prefetch.offload_group_size > 0
+        )
+        self.aux_stream = aux_stream
+        self._gate_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        # Set by pack_projections(): the packed input and query weights.
+        self._packed: list[torch.Tensor] | None = None
+
+    def _init_projections(
+        self,
+        config: KimiLinearConfig,
+        quant_config: QuantizationConfig | None,
+        reduce_results: bool,
+        prefix: str,
+    ) -> None:
+        """The MLA projections, as the dense Kimi K3 MLA's (the output gate
+        apart: it is its own linear here)."""
         if self.q_lora_rank is not None:
             # Latent projections are replicated; q_b_proj / kv_b_proj split
             # the heads across TP ranks.
@@ -201,6 +278,13 @@ class KimiK3DSAAttention(nn.Module):
             prefix=f"{prefix}.o_proj",
         )
 
+    def _init_rope_and_gate(
+        self,
+        config: KimiLinearConfig,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
+        """The rotary embedding (NoPE: none) and the output gate."""
         # Kimi K3's full-attention layers are NoPE. The rope branch serves
         # checkpoints whose MLA uses positions (GPT-J interleaved pairing; a
         # scaled rope becomes deepseek_yarn, whose mscale enters the softmax
@@ -222,7 +306,7 @@ class KimiK3DSAAttention(nn.Module):
             if rope_scaling:
                 rope_parameters["rope_type"] = "deepseek_yarn"
             self.rotary_emb = get_rope(
-                qk_rope_head_dim,
+                self.qk_rope_head_dim,
                 max_position=self.max_position_embeddings,
                 is_neox_style=False,
                 rope_parameters=rope_parameters,
@@ -244,24 +328,10 @@ class KimiK3DSAAttention(nn.Module):
                 prefix=f"{prefix}.g_proj",
             )
 
-        self.index_topk = dsa_config.index_topk
-        self.index_head_dim = dsa_config.index_head_dim
-        self.index_num_heads = dsa_config.index_num_heads
-        self.index_rope_dim = dsa_config.index_rope_dim
-        # The dsa_config rules ran at config time (DSAConfig.from_dict,
-        # check_dsa_model); a layer built past them is a programming error.
-        assert not (self.index_rope_dim > 0 and self.use_nope), (
-            "index_rope_dim > 0 with mla_use_nope: refused by check_dsa_model"
-        )
-        assert self.index_rope_dim <= min(self.qk_rope_head_dim, self.index_head_dim), (
-            "index_rope_dim above qk_rope_head_dim or index_head_dim: refused by "
-            "check_dsa_model"
-        )
-        assert getattr(dsa_config, "index_topk_freq", 1) in (None, 1), (
-            "index_topk_freq != 1: refused by DSAConfig"
-        )
-
-        vllm_config = get_current_vllm_config()
+    def _model_topk_buffer(
+        self, vllm_config: VllmConfig, topk_indices_buffer: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The model-level top-k buffer, or a per-layer fallback."""
         if topk_indices_buffer is None:
             # Hosts that build the decoder layer directly pass no buffer; the
             # model path always passes the one model-level buffer.
@@ -275,27 +345,17 @@ class KimiK3DSAAttention(nn.Module):
                 dtype=torch.int32,
                 device=topk_buffer_device,
             )
-        self.topk_indices_buffer = topk_indices_buffer
+        return topk_indices_buffer
 
-        index_q_input_size = (
-            self.q_lora_rank if self.q_lora_rank is not None else self.hidden_size
-        )
-        self.dsa_indexer = KimiK3DSAIndexer(
-            vllm_config=vllm_config,
-            hidden_size=self.hidden_size,
-            index_q_input_size=index_q_input_size,
-            index_head_dim=self.index_head_dim,
-            index_num_heads=self.index_num_heads,
-            index_topk=self.index_topk,
-            rms_norm_eps=config.rms_norm_eps,
-            index_rope_dim=self.index_rope_dim,
-            index_k_norm_type=dsa_config.index_k_norm_type,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            topk_indices_buffer=self.topk_indices_buffer,
-            prefix=f"{prefix}.dsa_indexer",
-        )
-
+    def _init_mla_wrapper(
+        self,
+        cache_config: CacheConfig | None,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+        index_group_builder: Any | None,
+    ) -> None:
+        """vLLM's MLA wrapper in sparse mode: FlashMLA sparse reads the
+        ``fp8_ds_mla`` cache at the indexer's top-k tokens."""
         # fp8_ds_mla is forced at config verification (the Kimi K3 verifier of
         # the vllm.plugins.kimi_k3_dsa seams): the runner sizes the cache from
         # cache_config.cache_dtype before the model exists.
@@ -335,28 +395,6 @@ class KimiK3DSAAttention(nn.Module):
             prefix,
             **wrapper_kwargs,
         )
-
-        use_kimi_k3_mla_backend(self.mla_attn.mla_attn)
-
-        indexer = self.dsa_indexer
-        # Dense-MHA prefills never read the top-k indices (PCP excluded, as
-        # upstream). Our indexer has no ``indexer_op``, so the wrapper leaves
-        # this to us.
-        if not indexer.use_pcp:
-            indexer.dense_mha_metadata_layer_name = self.mla_attn.mla_attn.layer_name
-        # ShardQ: the indexer cache follows the MLA layer's split (never on
-        # 0.33.0, whose MLAAttention has no use_shardq).
-        if getattr(self.mla_attn.mla_attn, "use_shardq", False):
-            indexer.k_cache.use_shardq = True
-
-        offload = vllm_config.offload_config
-        self.weights_offloaded = (
-            offload.uva.cpu_offload_gb > 0 or offload.prefetch.offload_group_size > 0
-        )
-        self.aux_stream = aux_stream
-        self._gate_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        # Set by pack_projections(): the packed input and query weights.
-        self._packed: list[torch.Tensor] | None = None
 
     def fused_forward_blockers(self) -> list[str]:
         """The conditions of :meth:`pack_projections` that do not hold (empty
