@@ -168,18 +168,6 @@ def index_rope(
             index_q, index_k, positions, cos_sin_cache, rope_dim, interleave
         )
         return
-    _index_rope_triton(index_q, index_k, positions, cos_sin_cache, rope_dim, interleave)
-
-
-def _index_rope_triton(
-    index_q: torch.Tensor,
-    index_k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    rope_dim: int,
-    interleave: bool,
-) -> None:
-    num_tokens, num_heads, _ = index_q.shape
     half = rope_dim // 2
     block_h = min(_MAX_BLOCK_H, triton.next_power_of_2(max(num_heads, 1)))
     grid = (num_tokens, max(triton.cdiv(num_heads, block_h), 1))
