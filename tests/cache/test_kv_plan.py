@@ -151,7 +151,7 @@ def test_plan_matches_the_engine_block_size(capsys, vllm_config_for, tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--indexer-kv-dtype", "int4"], "unknown indexer key dtype 'int4'"),
+        (["--indexer-kv-dtype", "int4"], "--indexer-kv-dtype 'int4' is not supported"),
         (["--kv-cache-dtype", "bfloat16"], "--kv-cache-dtype 'bfloat16' is not"),
         (["--tp", "5"], "--tp 5 does not divide the 96 KDA heads"),
         (["--tp", "64"], "--tp 64 does not divide the 96 KDA heads"),

@@ -335,7 +335,11 @@ BAD_FLAGS: list[tuple[str, list[str], list[str]]] = [
     ("kv-budget-negative", ["--kv-budget=-1GiB"], ["KV budget '-1GiB'"]),
     ("kv-budget-zero", ["--kv-budget", "0"], ["KV budget of 0 B", "too small"]),
     ("kv-cache-dtype", ["--kv-cache-dtype", "fp16"], ["--kv-cache-dtype 'fp16'"]),
-    ("indexer-kv-dtype", ["--indexer-kv-dtype", "bf16"], ["indexer key dtype 'bf16'"]),
+    (
+        "indexer-kv-dtype",
+        ["--indexer-kv-dtype", "bf16"],
+        ["--indexer-kv-dtype 'bf16' is not supported"],
+    ),
     ("max-model-len-float", ["--max-model-len", "1.5"], ["argument --max-model-len"]),
     ("max-model-len-negative", ["--max-model-len", "-1"], ["--max-model-len must be"]),
     (

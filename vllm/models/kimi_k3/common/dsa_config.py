@@ -419,14 +419,20 @@ def check_mxfp4_indexer(dsa: DSAConfig) -> None:
         )
 
 
-def indexer_kv_dtype_is_fp4(requested: str, dsa: DSAConfig) -> bool:
+def indexer_kv_dtype_is_fp4(
+    requested: str,
+    dsa: DSAConfig,
+    field: str = "attention_config.indexer_kv_dtype",
+) -> bool:
     """Whether ``indexer_kv_dtype`` asks for MXFP4 keys, after the checks that
     hold on any GPU (the accepted values, :func:`check_mxfp4_indexer`); the
-    config verifier and the KV plan command both decide through this."""
+    config verifier and the KV plan command (``field`` names its flag) both
+    decide through this."""
     if requested not in DSA_INDEXER_KV_DTYPES:
         raise ValueError(
-            f"attention_config.indexer_kv_dtype {requested!r} is not supported for "
-            f"Kimi-K3.1 DSA: accepted values are {list(DSA_INDEXER_KV_DTYPES)}"
+            f"{field} {requested!r} is not supported for Kimi-K3.1 DSA: accepted "
+            f"values are {list(DSA_INDEXER_KV_DTYPES)} (auto = fp8, 132 B/token at "
+            "head dim 128; mxfp4 = 68 B/token, SM10x only)"
         )
     if requested != "mxfp4":
         return False

@@ -101,20 +101,13 @@ def make_plan(
     """The plan for a text config checked by :func:`build_text_config`."""
     from vllm.models.kimi_k3.common import dsa_block_size, dsa_cache
     from vllm.models.kimi_k3.common.dsa_config import (
-        DSA_INDEXER_KV_DTYPES,
-        check_mxfp4_indexer,
+        indexer_kv_dtype_is_fp4,
         resolve_dsa_cache_dtype,
     )
 
     # The flags, on their own.
     if tp < 1:
         raise PlanError(f"--tp must be a positive integer, got {tp}")
-    if indexer_kv_dtype not in DSA_INDEXER_KV_DTYPES:
-        raise PlanError(
-            f"unknown indexer key dtype {indexer_kv_dtype!r}: accepted values are "
-            f"{', '.join(DSA_INDEXER_KV_DTYPES)} (auto = fp8, 132 B/token at head "
-            "dim 128; mxfp4 = 68 B/token, SM10x only)"
-        )
     try:
         cache_dtype = resolve_dsa_cache_dtype(kv_cache_dtype)
     except ValueError as e:
@@ -159,12 +152,10 @@ def make_plan(
             f"--tp {tp} does not divide the {attn_heads} attention heads "
             "(num_attention_heads)."
         )
-    use_fp4 = indexer_kv_dtype == "mxfp4"
-    if use_fp4:
-        try:
-            check_mxfp4_indexer(dsa)
-        except ValueError as exc:
-            raise PlanError(str(exc)) from None
+    try:
+        use_fp4 = indexer_kv_dtype_is_fp4(indexer_kv_dtype, dsa, "--indexer-kv-dtype")
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
     if max_model_len is None:
         max_model_len = text_config.max_position_embeddings
 
