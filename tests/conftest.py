@@ -62,15 +62,9 @@ def engine_config() -> Callable[..., Any]:
     ``engine_config(path, kv_cache_dtype="fp8", attention_config={...})``."""
     if not _has_vllm():
         pytest.skip("vLLM 0.33.0 is not installed")
-    from vllm.engine.arg_utils import EngineArgs
+    from engine_configs import create_engine_config
 
-    def make(model: Path, **kwargs: Any) -> Any:
-        kwargs.setdefault("enable_prefix_caching", False)
-        kwargs.setdefault("max_model_len", 1024)
-        kwargs.setdefault("skip_tokenizer_init", True)
-        return EngineArgs(model=str(model), **kwargs).create_engine_config()
-
-    return make
+    return create_engine_config
 
 
 class LogRecorder:

@@ -20,10 +20,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def vllm_config_for(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-    except ImportError:
-        pytest.skip("vLLM 0.33.0 is not installed")
+    from engine_configs import create_engine_config
+
     from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import write_tiny_config
 
     cache: dict[str, Any] = {}
@@ -35,10 +33,7 @@ def vllm_config_for(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., A
             ckpt: Path = write_tiny_config(
                 root / f"ckpt{len(cache)}", dsa=dsa, **(text_overrides or {})
             )
-            kwargs.setdefault("enable_prefix_caching", False)
-            kwargs.setdefault("max_model_len", 1024)
-            kwargs.setdefault("skip_tokenizer_init", True)
-            cache[key] = EngineArgs(model=str(ckpt), **kwargs).create_engine_config()
+            cache[key] = create_engine_config(ckpt, **kwargs)
         return cache[key]
 
     return make

@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_configs import create_engine_config
 from layer_builders import build
 
 safetensors = pytest.importorskip("safetensors")
@@ -89,18 +90,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engine_configs(checkpoint: Path) -> dict[int, Any]:
     """vLLM's engine config of the variant at each TP size."""
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-    except ImportError:
-        pytest.skip("vLLM 0.33.0 is not installed")
     return {
-        tp: EngineArgs(
-            model=str(checkpoint),
-            tensor_parallel_size=tp,
-            max_model_len=MAX_MODEL_LEN,
-            enable_prefix_caching=False,
-            skip_tokenizer_init=True,
-        ).create_engine_config()
+        tp: create_engine_config(
+            checkpoint, tensor_parallel_size=tp, max_model_len=MAX_MODEL_LEN
+        )
         for tp in TP_SIZES
     }
 

@@ -1,0 +1,18 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's real configuration path on a checkpoint directory, with the defaults
+the CPU suite uses (no prefix caching, 1024 tokens, no tokenizer)."""
+
+from pathlib import Path
+from typing import Any
+
+
+def create_engine_config(model: Path, **kwargs: Any) -> Any:
+    """``EngineArgs(model, **kwargs).create_engine_config()``: the HF config
+    parsing, the model verifiers and the general plugins a user's ``vllm
+    serve`` runs."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs.setdefault("enable_prefix_caching", False)
+    kwargs.setdefault("max_model_len", 1024)
+    kwargs.setdefault("skip_tokenizer_init", True)
+    return EngineArgs(model=str(model), **kwargs).create_engine_config()
