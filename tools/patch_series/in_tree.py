@@ -13,7 +13,8 @@ series, applies it patch by patch to a copy of the sdist tree (GNU patch
 with no fuzz and no offset allowed, then ``git apply``), lays every file the
 series adds or changes under ``vllm/`` over a copy of the snapshot, and runs
 ``pytest -m "not gpu and not overlay_only" tests`` with that copy first on
-the path and ``VLLM_PLUGINS`` set so that no plugin of ours loads.
+the path and ``VLLM_PLUGINS`` listing every installed general plugin but
+ours.
 """
 
 from __future__ import annotations
@@ -40,10 +41,20 @@ from patch_series.series import (
 )
 
 PRISTINE = DEFAULT_DIR / "pristine"
-# The plugin names this repository registers; none may load in-tree.
+# The general plugin this repository registers; it must not load in-tree.
 PLUGIN_ENTRY_POINT = "kimi_k3_dsa"
-# Anything but our plugin's name: vLLM then loads no general plugin of ours.
-IN_TREE_VLLM_PLUGINS = "none"
+
+
+def in_tree_vllm_plugins() -> str:
+    """``VLLM_PLUGINS`` for the in-tree run: every general plugin installed
+    (vLLM's own included, as in the overlay run) except ours."""
+    from importlib.metadata import entry_points
+
+    names = sorted(
+        {ep.name for ep in entry_points(group="vllm.general_plugins")}
+        - {PLUGIN_ENTRY_POINT}
+    )
+    return ",".join(names) or "none"
 
 
 def _log(msg: str) -> None:
@@ -174,7 +185,7 @@ def run_tests(dest: Path, pytest_args: list[str]) -> int:
     env["PYTHONPATH"] = os.pathsep.join(
         [str(dest), str(ROOT / "tools"), env.get("PYTHONPATH", "")]
     ).rstrip(os.pathsep)
-    env["VLLM_PLUGINS"] = IN_TREE_VLLM_PLUGINS
+    env["VLLM_PLUGINS"] = in_tree_vllm_plugins()
     env["KIMI_K3_DSA_IN_TREE"] = str(dest / "vllm")
     cmd = [
         sys.executable,
@@ -189,6 +200,7 @@ def run_tests(dest: Path, pytest_args: list[str]) -> int:
         "tests",
     ]
     _log("not collected (overlay-only modules): " + (", ".join(ignored) or "none"))
+    _log(f"VLLM_PLUGINS={env['VLLM_PLUGINS']}")
     _log(" ".join(cmd))
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode
 
