@@ -263,7 +263,7 @@ def test_builder_validates_the_key_format(indexer_group, monkeypatch):
 
 
 def test_builder_refuses_pcp():
-    from vllm.models.kimi_k3.common.dsa_config import check_dsa_pcp
+    from vllm.models.kimi_k3.common.dsa_verify import check_dsa_pcp
 
     # Stub config: only the parallel layout is read before the refusal.
     cfg = SimpleNamespace(

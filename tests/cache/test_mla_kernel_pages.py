@@ -217,7 +217,7 @@ def test_runner_slots_untouched_without_a_split(allocated):
 
 
 def test_multi_step_drafts_refused_with_kernel_pages(monkeypatch, vllm_config_for):
-    from vllm.models.kimi_k3.common.dsa_config import check_mla_kernel_pages
+    from vllm.models.kimi_k3.common.dsa_verify import check_mla_kernel_pages
 
     cfg = vllm_config_for()
     monkeypatch.setenv(MLA_KERNEL_PAGES_ENV, "1")

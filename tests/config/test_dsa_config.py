@@ -13,7 +13,6 @@ from vllm.models.kimi_k3.common.dsa_config import (
     DSAConfig,
     KimiK3DSAConfig,
     KimiLinearDSAConfig,
-    verify_dsa_vllm_config,
 )
 from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
     TINY_DSA_CONFIG,
@@ -21,6 +20,7 @@ from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
     tiny_text_config,
     write_tiny_config,
 )
+from vllm.models.kimi_k3.common.dsa_verify import verify_dsa_vllm_config
 
 ROPE_MODEL = {"mla_use_nope": False}
 TINY_LINEAR = tiny_text_config()["linear_attn_config"]

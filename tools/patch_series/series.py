@@ -88,13 +88,17 @@ MODULE_GROUPS: tuple[Group, ...] = (
         "config",
         "[Model] Kimi K3.1 DSA: the dsa_config and its rules",
         "The parsed dsa_config of a Kimi K3.1 checkpoint (KimiLinearDSAConfig,\n"
-        "KimiK3DSAConfig) and every rule a DSA deployment must satisfy, in one\n"
-        "place: the config verifier, the KV plan CLI and the layers call it.\n"
-        "Nothing reads it yet; the seams later in this series wire it in.",
+        "KimiK3DSAConfig) and the model's rules (dsa_config), the rules of an\n"
+        "engine configuration and the config verifier (dsa_verify), the\n"
+        "VLLM_KIMI_K3_DSA_* switches (dsa_envs) and what an accepted\n"
+        "configuration resolves to (dsa_settings), which the layers, the caches\n"
+        "and the KV plan CLI read. Nothing reads it yet; the seams later in this\n"
+        "series wire it in.",
         (
             f"{_K3}/common/dsa_config*.py",
             f"{_K3}/common/dsa_envs*.py",
             f"{_K3}/common/dsa_settings*.py",
+            f"{_K3}/common/dsa_verify*.py",
         ),
     ),
     Group(

@@ -13,7 +13,7 @@ belongs in the verifier, never in the model.
 
 In-tree edit: a ``verify_and_update_config`` on
 ``KimiK3ForConditionalGenerationConfig`` calling
-:func:`~vllm.models.kimi_k3.common.dsa_config.verify_dsa_vllm_config`, and the
+:func:`~vllm.models.kimi_k3.common.dsa_verify.verify_dsa_vllm_config`, and the
 same hook registered for ``KimiLinearForCausalLM``.
 """
 
@@ -25,7 +25,7 @@ from vllm.model_executor.models.config import (
     KimiK3ForConditionalGenerationConfig,
     VerifyAndUpdateConfig,
 )
-from vllm.models.kimi_k3.common.dsa_config import verify_dsa_vllm_config
+from vllm.models.kimi_k3.common.dsa_verify import verify_dsa_vllm_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -24,8 +24,8 @@ from vllm.models.kimi_k3.common.dsa_cache import (
     indexer_cache_entry_bytes,
     is_kimi_k3_dsa_backend,
 )
-from vllm.models.kimi_k3.common.dsa_config import check_dsa_pcp
 from vllm.models.kimi_k3.common.dsa_settings import indexer_uses_fp4
+from vllm.models.kimi_k3.common.dsa_verify import check_dsa_pcp
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,

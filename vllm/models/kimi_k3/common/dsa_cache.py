@@ -25,9 +25,9 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
 from vllm.models.kimi_k3.common import dsa_settings
-from vllm.models.kimi_k3.common.dsa_config import check_dsa_pcp
 from vllm.models.kimi_k3.common.dsa_envs import mla_kernel_pages_forced
 from vllm.models.kimi_k3.common.dsa_pages import MLA_KERNEL_PAGE_TOKENS
+from vllm.models.kimi_k3.common.dsa_verify import check_dsa_pcp
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats
 from vllm.v1.attention.backends.mla.compressor_utils import (
     get_compressed_slot_mapping,

@@ -100,7 +100,7 @@ def make_plan(
 ) -> KVPlan:
     """The plan for a text config checked by :func:`build_text_config`."""
     from vllm.models.kimi_k3.common import dsa_block_size, dsa_cache
-    from vllm.models.kimi_k3.common.dsa_config import (
+    from vllm.models.kimi_k3.common.dsa_verify import (
         indexer_kv_dtype_is_fp4,
         resolve_dsa_cache_dtype,
     )

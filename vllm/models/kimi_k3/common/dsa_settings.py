@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """What a Kimi K3.1 DSA deployment runs with, decided once.
 
-The config verifier (:func:`~vllm.models.kimi_k3.common.dsa_config.
+The config verifier (:func:`~vllm.models.kimi_k3.common.dsa_verify.
 verify_dsa_vllm_config`) refuses what cannot be served; what it accepts
 resolves here into one :class:`DSASettings`: the indexer key format, the
 top-k width and buffer rows, the head count DeepGEMM's indexer runs at and
