@@ -567,8 +567,9 @@ def run_case(
 
 
 def check_targets(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 15's targets for one row: recall (fp8 >= 0.99, MXFP4 >= 0.97 on
-    the mean over queries) and combined layer error <= 2x the cache alone."""
+    """The fidelity targets of one row (docs/fidelity.md): recall (fp8 >=
+    0.99, MXFP4 >= 0.97 on the mean over queries) and combined layer error
+    <= 2x the cache alone."""
     checks = []
     target = RECALL_TARGETS.get(row["variant"])
     if target is not None:
