@@ -164,9 +164,10 @@ TESTS = Group(
 )
 BENCHMARKS = Group(
     "benchmarks",
-    "[Perf] Kimi K3.1 DSA: kernel and fidelity benchmarks",
-    "The DSA kernels against vLLM's own Triton prologue for DeepSeek V3.2, and\n"
-    "the top-k recall / layer error of the indexer key formats.",
+    "[Perf] Kimi K3.1 DSA: kernel, layer and fidelity benchmarks",
+    "The DSA kernels against vLLM's own Triton prologue for DeepSeek V3.2, one\n"
+    "DSA layer (fused, wrapper) against vLLM's DeepSeek V3.2 layer, and the\n"
+    "top-k recall / layer error of the indexer key formats.",
     ("benchmarks/**",),
 )
 # Dated run records (logs, raw JSON) stay in this repository; vLLM's tree
