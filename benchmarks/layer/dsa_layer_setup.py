@@ -28,7 +28,10 @@ LAYERS = ("fused", "wrapper", "v32")
 # one page keeps manager and kernel blocks equal for both caches (see
 # docs/benchmarks.md, "Layer benchmark").
 BLOCK_SIZE = 64
-PREFIX = "model.layers.3.self_attn"
+# Kimi: the config's one DSA layer (0-indexed 3); V3.2: its only layer (a
+# layer index >= num_hidden_layers would make it an MTP layer).
+V32_PREFIX = "model.layers.0.self_attn"
+KIMI_PREFIX = "model.layers.3.self_attn"
 # Kimi K3.1 attention dims shared by both models (the MLA and the indexer).
 MLA_DIMS: dict[str, Any] = dict(
     q_lora_rank=1536,
@@ -186,7 +189,7 @@ def build_layer(kind: str, vllm_config: Any, device: torch.device) -> Any:
             buffer, get_sparse_mla_index_group_max_rows(vllm_config)
         )
         layer = DeepseekV32Attention(
-            vllm_config, text, PREFIX, buffer, index_group_builder=builder
+            vllm_config, text, V32_PREFIX, buffer, index_group_builder=builder
         )
     else:
         from vllm.models.kimi_k3.nvidia.dsa import KimiK3DSAAttention
@@ -204,7 +207,7 @@ def build_layer(kind: str, vllm_config: Any, device: torch.device) -> Any:
             text.q_lora_rank,
             text.kv_lora_rank,
             cache_config=vllm_config.cache_config,
-            prefix=PREFIX,
+            prefix=KIMI_PREFIX,
             topk_indices_buffer=state.topk_indices_buffer.to(device),
             index_group_builder=state.index_group_builder,
             # As Kimi K3's model: the output gate overlaps on a side stream.

@@ -138,6 +138,8 @@ def test_setup_builds_what_was_asked(configs, cpu_stubs, kind, spec):
         indexer = layer.indexer
         assert (indexer.n_head, indexer.head_dim) == (32, 128)
         assert indexer.topk_tokens == 2048 and layer.q_lora_rank == 1536
+        # A main-model layer: index >= num_hidden_layers would be an MTP layer.
+        assert layer.layer_name.startswith("model.layers.0.")
     else:
         indexer = layer.dsa_indexer
         assert (indexer.index_num_heads, indexer.index_head_dim) == (32, 128)
