@@ -131,7 +131,6 @@ def test_topk_buffer_rows_dcp_slack() -> None:
     from types import SimpleNamespace
 
     from vllm.models.kimi_k3.common.dsa_settings import topk_indices_buffer_rows
-    from vllm.models.kimi_k3.nvidia.dsa_model import make_topk_indices_buffer
 
     def cfg(dcp: int) -> Any:
         return SimpleNamespace(
@@ -142,8 +141,17 @@ def test_topk_buffer_rows_dcp_slack() -> None:
     assert topk_indices_buffer_rows(cfg(1)) == 8192
     assert topk_indices_buffer_rows(cfg(2)) == 8193
     assert topk_indices_buffer_rows(cfg(8)) == 8199
-    buf = make_topk_indices_buffer(cfg(4), 2048, device="cpu")
-    assert buf.shape == (8195, 2048) and buf.dtype == torch.int32
+
+
+def test_topk_buffer_is_rows_by_index_topk(dsa_layer_env) -> None:
+    from vllm.models.kimi_k3.common.dsa_settings import topk_indices_buffer_rows
+    from vllm.models.kimi_k3.nvidia.dsa_model import make_topk_indices_buffer
+
+    cfg = dsa_layer_env.vllm_config
+    buf = make_topk_indices_buffer(cfg, device="cpu")
+    topk = cfg.model_config.hf_text_config.dsa_config.index_topk
+    assert buf.shape == (topk_indices_buffer_rows(cfg), topk)
+    assert buf.dtype == torch.int32
 
 
 def test_dsa_parameter_shapes(dsa_layer_env) -> None:

@@ -3,10 +3,11 @@
 
 The config verifier (:func:`~vllm.models.kimi_k3.common.dsa_verify.
 verify_dsa_vllm_config`) refuses what cannot be served; what it accepts
-resolves here into one :class:`DSASettings`: the indexer key format, the
-top-k width and buffer rows, the head count DeepGEMM's indexer runs at and
-whether our fused paths may switch on. The layers, the caches and the block
-size read these fields instead of re-deciding them.
+resolves here: the indexer key format (:func:`indexer_uses_fp4`, which the
+layers, the cache builder and the block size all ask), the top-k buffer rows
+(:func:`topk_indices_buffer_rows`) and the head count DeepGEMM's indexer runs
+at (:func:`padded_index_heads`). :class:`DSASettings` gathers what a DSA layer
+reads of them.
 """
 
 from __future__ import annotations
@@ -15,10 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm.models.kimi_k3.common.dsa_config import DSAConfig, check_mxfp4_indexer
-from vllm.models.kimi_k3.common.dsa_envs import (
-    force_wrapper_forward,
-    mla_kernel_pages_in_use,
-)
 from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import DEEPGEMM_INDEX_HEADS
 
 if TYPE_CHECKING:
@@ -34,13 +31,6 @@ class DSASettings:
     # Tokens each query keeps, and rows of the model-level top-k buffer.
     index_topk: int
     topk_buffer_rows: int
-    # The head count DeepGEMM's indexer kernels run the index heads at.
-    padded_index_heads: int
-    # Whether the fused forward and key insert may switch on (the layers add
-    # what only they can see: the extension, the shapes, the weights).
-    fused_paths_allowed: bool
-    # Whether the MLA cache is read in 64-token kernel pages.
-    mla_kernel_pages: bool
 
 
 def padded_index_heads(index_num_heads: int) -> int:
@@ -95,7 +85,4 @@ def resolve_dsa_settings(vllm_config: VllmConfig) -> DSASettings:
         indexer_fp4=indexer_uses_fp4(vllm_config),
         index_topk=dsa.index_topk,
         topk_buffer_rows=topk_indices_buffer_rows(vllm_config),
-        padded_index_heads=padded_index_heads(dsa.index_num_heads),
-        fused_paths_allowed=not force_wrapper_forward(),
-        mla_kernel_pages=mla_kernel_pages_in_use(),
     )

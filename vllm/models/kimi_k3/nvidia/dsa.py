@@ -43,12 +43,12 @@ from vllm.model_executor.layers.mla import MLAModules, MultiHeadLatentAttentionW
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.rotary_embedding.common import yarn_get_mscale
-from vllm.models.kimi_k3.common.dsa_settings import topk_indices_buffer_rows
 from vllm.models.kimi_k3.nvidia import dsa_fused
 from vllm.models.kimi_k3.nvidia.dsa_indexer import (
     KimiK3DSAIndexer,
     KimiK3DSAIndexerKNorm,
 )
+from vllm.models.kimi_k3.nvidia.dsa_model import make_topk_indices_buffer
 from vllm.models.kimi_k3.nvidia.mla import (
     _GATE_MULTI_STREAM_TOKEN_THRESHOLD,
     _gate_sigmoid_mul,
@@ -339,12 +339,7 @@ class KimiK3DSAAttention(nn.Module):
                 "KimiK3DSAAttention did not receive a model-level "
                 "topk_indices_buffer; allocating a per-layer fallback."
             )
-            topk_buffer_device = "cuda" if torch.cuda.is_available() else "cpu"
-            topk_indices_buffer = torch.empty(
-                (topk_indices_buffer_rows(vllm_config), self.index_topk),
-                dtype=torch.int32,
-                device=topk_buffer_device,
-            )
+            topk_indices_buffer = make_topk_indices_buffer(vllm_config)
         return topk_indices_buffer
 
     def _init_mla_wrapper(

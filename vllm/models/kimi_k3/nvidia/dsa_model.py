@@ -24,7 +24,7 @@ from torch import nn
 
 from vllm.logger import init_logger
 from vllm.models.kimi_k3.common.dsa_config import is_dsa_model
-from vllm.models.kimi_k3.common.dsa_settings import topk_indices_buffer_rows
+from vllm.models.kimi_k3.common.dsa_settings import resolve_dsa_settings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -40,18 +40,17 @@ logger = init_logger(__name__)
 
 
 def make_topk_indices_buffer(
-    vllm_config: VllmConfig,
-    index_topk: int,
-    device: torch.device | str | None = None,
+    vllm_config: VllmConfig, device: torch.device | str | None = None
 ) -> torch.Tensor:
     """The model-level int32 ``[rows, index_topk]`` top-k buffer every DSA
     layer's indexer writes and its sparse MLA reads."""
+    settings = resolve_dsa_settings(vllm_config)
     if device is None:
         from vllm.platforms import current_platform
 
         device = current_platform.device_type or "cpu"
     return torch.empty(
-        (topk_indices_buffer_rows(vllm_config), index_topk),
+        (settings.topk_buffer_rows, settings.index_topk),
         dtype=torch.int32,
         device=device,
     )
@@ -106,7 +105,7 @@ def make_dsa_model_state(vllm_config: VllmConfig) -> DSAModelState | None:
         get_sparse_mla_index_group_max_rows,
     )
 
-    buffer = make_topk_indices_buffer(vllm_config, text_config.dsa_config.index_topk)
+    buffer = make_topk_indices_buffer(vllm_config)
     # As DeepSeek V3.2 (models/deepseek_v32/nvidia/model.py): one builder on
     # the model; every K3.1 DSA layer has its own indexer, so each layer is
     # its own index-group leader, but the physical-topk workspace rows are
