@@ -27,20 +27,25 @@ _BUFFERS = "_kimi_k3_dsa_page_slot_buffers"
 
 def split_mla_groups(runner: Any) -> dict[int, Any]:
     """KV cache group id -> the attention group of the Kimi K3.1 MLA backend
-    whose cache the runner split into kernel pages."""
+    whose cache the runner split into kernel pages. Runs every step: a model
+    with no split group (any other model) returns before the cache module is
+    imported."""
+    split = [
+        (gid, group)
+        for gid, groups in enumerate(getattr(runner, "attn_groups", None) or [])
+        for group in groups
+        if group.kernel_block_size is not None and group.kernel_block_stride
+    ]
+    if not split:
+        return {}
     from vllm.models.kimi_k3.common.dsa_cache import KimiK3FlashMLASparseBackend
 
-    found = {}
-    for gid, groups in enumerate(getattr(runner, "attn_groups", None) or []):
-        for group in groups:
-            if (
-                isinstance(group.backend, type)
-                and issubclass(group.backend, KimiK3FlashMLASparseBackend)
-                and group.kernel_block_size is not None
-                and group.kernel_block_stride
-            ):
-                found[gid] = group
-    return found
+    return {
+        gid: group
+        for gid, group in split
+        if isinstance(group.backend, type)
+        and issubclass(group.backend, KimiK3FlashMLASparseBackend)
+    }
 
 
 def remap_slot_mappings(
