@@ -161,6 +161,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         init_distributed_environment,
         model_parallel_is_initialized,
     )
+    from vllm.utils.network_utils import get_distributed_init_method, get_open_port
     from vllm.v1.worker.workspace import (
         init_workspace_manager,
         is_workspace_manager_initialized,
@@ -178,9 +179,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             )
             with set_current_vllm_config(cfg):
                 if not model_parallel_is_initialized():
-                    init_distributed_environment(
-                        1, 0, "tcp://127.0.0.1:29517", 0, "nccl"
+                    init_method = get_distributed_init_method(
+                        "127.0.0.1", get_open_port()
                     )
+                    init_distributed_environment(1, 0, init_method, 0, "nccl")
                     ensure_model_parallel_initialized(1, 1)
                 if not is_workspace_manager_initialized():
                     init_workspace_manager(device)
