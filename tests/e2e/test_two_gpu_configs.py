@@ -98,14 +98,7 @@ def _packed_block_size(config: Any) -> int:
 
 
 @pytest.mark.parametrize(("index_topk", "args"), VARIANTS)
-def test_config_accepted(tiny_checkpoint, engine_config, index_topk, args, monkeypatch):
-    # Stub: vLLM's CPU platform turns chunked prefill off for MLA models (and
-    # raises max_num_batched_tokens to max_model_len) unless the CPU has AMX
-    # tiles for its CPU MLA kernels; a CUDA engine keeps what was asked, which
-    # this check is about, so the CPU is told it has them.
-    import torch
-
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+def test_config_accepted(tiny_checkpoint, engine_config, index_topk, args):
     config, _ = _config(tiny_checkpoint, engine_config, index_topk, **args)
     parallel = config.parallel_config
     assert parallel.tensor_parallel_size == args.get("tp", 1)

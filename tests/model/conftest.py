@@ -77,20 +77,16 @@ def stub_sparse_attn_backend(
 @pytest.fixture(scope="session")
 def dsa_vllm_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The real VllmConfig of the tiny Kimi K3.1 checkpoint (session-wide)."""
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-    except ImportError:
-        pytest.skip("vLLM 0.33.0 is not installed")
+    from engine_configs import create_engine_config
+
     from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import write_tiny_config
 
     path = write_tiny_config(tmp_path_factory.mktemp("tiny_k31"))
-    return EngineArgs(
-        model=str(path),
-        enable_prefix_caching=False,
+    return create_engine_config(
+        path,
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        skip_tokenizer_init=True,
-    ).create_engine_config()
+    )
 
 
 @pytest.fixture(scope="session")

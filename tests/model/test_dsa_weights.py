@@ -513,16 +513,14 @@ def multimodal_vllm_config(multimodal_checkpoint: Path, dsa_vllm_config: Any) ->
     """The real engine configuration of the multimodal tiny checkpoint with
     the Kimi K3 MTP draft (``--speculative-config kimi_k3_mtp``), sized like
     the session's text-only one."""
-    from vllm.engine.arg_utils import EngineArgs
+    from engine_configs import create_engine_config
 
-    return EngineArgs(
-        model=str(multimodal_checkpoint),
-        enable_prefix_caching=False,
+    return create_engine_config(
+        multimodal_checkpoint,
         max_model_len=dsa_vllm_config.model_config.max_model_len,
         max_num_batched_tokens=dsa_vllm_config.scheduler_config.max_num_batched_tokens,
-        skip_tokenizer_init=True,
         speculative_config={"method": "kimi_k3_mtp", "num_speculative_tokens": 1},
-    ).create_engine_config()
+    )
 
 
 def test_multimodal_target_and_mtp_draft_load_end_to_end(
