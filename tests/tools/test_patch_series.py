@@ -109,3 +109,28 @@ def test_series_applies_to_vllm_and_is_deterministic(tmp_path: Path) -> None:
     assert [p.name for p in first] == [p.name for p in second]
     for a, b in zip(first, second, strict=True):
         assert a.read_bytes() == b.read_bytes(), a.name
+
+
+def test_cmake_target_keeps_vllms_prelude_and_adds_only_our_module() -> None:
+    """The CMake-target build (tools/patch_series/cmake_target.py) configures
+    vLLM's own prelude, cut where its GitHub downloads begin, then our module."""
+    from patch_series.build_edits import CMAKE_MODULE
+    from patch_series.cmake_target import target_cmakelists
+
+    upstream = (_vllm_src() / "CMakeLists.txt").read_text()
+    cut = target_cmakelists(upstream)
+    prelude = cut[: cut.index("# The Kimi K3.1 DSA target alone")]
+    assert upstream.startswith(prelude)
+    # torch, the architectures and the GPU flags our module reads are set ...
+    for needed in ("find_package(Torch REQUIRED)", "CUDA_ARCHS", "VLLM_GPU_FLAGS"):
+        assert needed in prelude, needed
+    # ... and nothing that downloads.
+    assert "FetchContent_Declare" not in prelude
+    assert cut.rstrip().endswith(f"include(${{CMAKE_CURRENT_LIST_DIR}}/{CMAKE_MODULE})")
+
+
+def test_cmake_target_refuses_a_cmakelists_without_vllms_prelude() -> None:
+    from patch_series.cmake_target import target_cmakelists
+
+    with pytest.raises(SystemExit, match="FetchContent section"):
+        target_cmakelists("cmake_minimum_required(VERSION 3.26)\nproject(x)\n")
