@@ -38,9 +38,12 @@ NUM_LOGPROBS = 5
 MAX_MODEL_LEN = 1024
 # Token ids the tiny vocabulary (1024) holds; 1023 is the media placeholder.
 PROMPT_VOCAB = 1000
-# Small batches keep CUDA-graph capture short. FlashMLA sparse sizes its
-# chunked-context workspace min(..., max_num_seqs * index_topk) rows, and it
-# must hold one packed block (2048 tokens here): 8 failed with the MTP draft.
+# Small batches keep CUDA-graph capture short. 8 failed with the MTP draft on
+# the H200 (2026-11-30): vLLM's FlashMLA sparse builder sized its chunked-context
+# workspace min(..., max_num_seqs * index_topk) = 1024 rows, below one packed
+# block (2048 tokens here). KimiK3FlashMLASparseMetadataBuilder now sizes it to
+# hold a packed block (tests/model/test_dsa_prefill_workspace.py); 16 stays
+# until 8 has run on a GPU again.
 MAX_NUM_SEQS = 16
 # The first request of an engine includes JIT compiles (DeepGEMM, Triton).
 GENERATE_TIMEOUT_S = 240.0

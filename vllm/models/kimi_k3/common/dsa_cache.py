@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Kimi K3.1 DSA caches: the per-token formats' sizes, the indexer cache layer
-and its metadata builder, and the DSA layers' FlashMLA sparse backend.
+and its metadata builder, and the DSA layers' FlashMLA sparse backend and its
+metadata builder.
 
 Every DSA layer of Kimi K3.1 owns two token caches:
 
@@ -17,6 +18,7 @@ The block row those caches share, and its size, are
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -29,10 +31,14 @@ from vllm.models.kimi_k3.common.dsa_envs import mla_kernel_pages_forced
 from vllm.models.kimi_k3.common.dsa_pages import MLA_KERNEL_PAGE_TOKENS
 from vllm.models.kimi_k3.common.dsa_verify import check_dsa_pcp
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats
+from vllm.utils.math_utils import round_up
 from vllm.v1.attention.backends.mla.compressor_utils import (
     get_compressed_slot_mapping,
 )
-from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+from vllm.v1.attention.backends.mla.flashmla_sparse import (
+    FlashMLASparseBackend,
+    FlashMLASparseMetadataBuilder,
+)
 from vllm.v1.attention.backends.mla.indexer import (
     DeepseekV32IndexerBackend,
     DeepseekV32IndexerMetadata,
@@ -43,6 +49,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
 logger = init_logger(__name__)
@@ -142,6 +149,59 @@ class KimiK3IndexerCache(DeepseekV32IndexerCache):
         return KimiK3IndexerBackend
 
 
+def chunked_context_workspace_rows(
+    upstream_rows: int, block_size: int, dcp_virtual_block_size: int = 1
+) -> int:
+    """Rows of FlashMLA sparse's chunked-context workspace for an MLA group
+    of ``block_size``-token blocks: at least upstream's size, and a whole
+    number of the chunk alignment that vLLM's chunk planner
+    (``build_mla_chunked_context_metadata``) uses for that group, so that at
+    least one chunk fits."""
+    alignment = math.lcm(block_size, dcp_virtual_block_size)
+    return round_up(max(upstream_rows, alignment), alignment)
+
+
+class KimiK3FlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
+    """FlashMLA sparse's metadata builder, with a chunked-context workspace
+    that holds at least one block of the group it serves.
+
+    vLLM 0.33.0 sizes that workspace from ``cache_config.block_size`` (capped
+    at ``max_num_seqs * index_topk``) but aligns the context chunks to the
+    group's own block. For Kimi K3.1 the two differ: the DSA group's block is
+    the packed row, and before a worker in the engine's process (TP 1) builds
+    its metadata builders, the engine core lowers ``cache_config.block_size``
+    to the smallest block of the prefix-cacheable groups. The first prefill
+    with cached context (a chunked prompt, a prefix-cache hit, an MTP draft
+    step) then failed vLLM's assert that the "chunked prefill workspace ... is
+    smaller than the context chunk alignment".
+    """
+
+    def determine_chunked_prefill_workspace_size(  # type: ignore[override]
+        self, vllm_config: VllmConfig
+    ) -> int:
+        # Called from the base __init__ once kv_cache_spec and the DCP sizes
+        # are set.
+        upstream = (
+            FlashMLASparseMetadataBuilder.determine_chunked_prefill_workspace_size(
+                vllm_config
+            )
+        )
+        rows = chunked_context_workspace_rows(
+            upstream,
+            self.kv_cache_spec.block_size,
+            self.dcp_virtual_block_size if self.dcp_world_size > 1 else 1,
+        )
+        if rows != upstream:
+            logger.debug(
+                "Kimi-K3.1 DSA: chunked-context workspace %d rows (upstream %d) "
+                "for %d-token blocks.",
+                rows,
+                upstream,
+                self.kv_cache_spec.block_size,
+            )
+        return rows
+
+
 class KimiK3FlashMLASparseBackend(FlashMLASparseBackend):
     """FlashMLA sparse for the MLA cache of the Kimi K3.1 DSA layers: the same
     kernels and metadata, and the packed row's MLA pages split into 64-token
@@ -154,6 +214,10 @@ class KimiK3FlashMLASparseBackend(FlashMLASparseBackend):
     the builder the kernel block table, so the insert and the reads address the
     same pages.
     """
+
+    @staticmethod
+    def get_builder_cls() -> type[KimiK3FlashMLASparseMetadataBuilder]:
+        return KimiK3FlashMLASparseMetadataBuilder
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
