@@ -165,18 +165,14 @@ def build(source: Path, work: Path, archs: str, jobs: int) -> Path:
 
 
 def cuobjdump() -> str:
-    """The toolkit's cuobjdump, else one on PATH, else the copy the triton
-    wheel ships (the CPU machines' toolkit has none)."""
-    import triton
+    """The toolkit's cuobjdump, else the one triton resolves (its bundled
+    copy, or ``TRITON_CUOBJDUMP_PATH``): the CPU machines' toolkit has none."""
+    toolkit_tool = cuda_home() / "bin" / "cuobjdump"
+    if toolkit_tool.is_file():
+        return str(toolkit_tool)
+    from triton import knobs
 
-    for candidate in (
-        cuda_home() / "bin" / "cuobjdump",
-        Path(shutil.which("cuobjdump") or "/nonexistent"),
-        Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump",
-    ):
-        if candidate.is_file():
-            return str(candidate)
-    raise SystemExit("no cuobjdump to list the SASS architectures with")
+    return knobs.nvidia.cuobjdump.path
 
 
 def sass_by_source(so: Path) -> dict[str, set[str]]:
