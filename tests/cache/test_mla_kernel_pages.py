@@ -51,7 +51,11 @@ def _split(name: str, kv_cache_config, cache: torch.Tensor):
     from vllm.v1.worker.utils import AttentionGroup
 
     apply_seam("kernel_block_split")
-    group = next(g for g in kv_cache_config.kv_cache_groups if name in g.layer_names)
+    gid, group = next(
+        (i, g)
+        for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        if name in g.layer_names
+    )
     backend = (
         KimiK3FlashMLASparseBackend if name.endswith(".mla") else (KimiK3IndexerBackend)
     )
@@ -59,7 +63,7 @@ def _split(name: str, kv_cache_config, cache: torch.Tensor):
         backend=backend,
         layer_names=[name],
         kv_cache_spec=group.kv_cache_spec.kv_cache_specs[name],
-        kv_cache_group_id=0,
+        kv_cache_group_id=gid,
         kernel_block_size=PAGE,
     )
     return attn_group.map_kv_cache_to_kernel_blocks(cache), attn_group

@@ -8,14 +8,24 @@ table, whose page ``j`` of block ``b`` is ``b * kernel_block_stride + j``. The
 KV insert writes at the group's slot mapping, which vLLM computes in manager
 blocks (``b * block_size + o``); in a packed row the two disagree, so the
 group's slots are turned into kernel-page slots (:func:`kernel_page_slots`)
-in a persistent buffer, once per step, before the metadata and the forward
-context read them. The runner calls :func:`remap_slot_mappings` from
-``GPUModelRunner._get_slot_mappings`` (in vLLM's tree, or through the
-``mla_page_slots`` seam of the overlay).
+once per step, before the metadata and the forward context read them.
+
+Both of vLLM 0.33.0's model runners need it, at different places:
+
+* Model Runner V2 (``vllm/v1/worker/gpu/``, the default wherever Triton
+  runs) computes every slot mapping, the target's, the speculators' and the
+  micro-batches' alike, in ``BlockTables.compute_slot_mappings``: the runner
+  records the split groups on its block tables after it bound the caches
+  (:func:`configure_block_tables`) and each computed mapping is remapped in
+  place (:func:`remap_slot_mapping_rows`).
+* The V1 runner (``gpu_model_runner.py``) calls :func:`remap_slot_mappings`
+  from ``GPUModelRunner._get_slot_mappings``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,29 +33,96 @@ import torch
 from vllm.models.kimi_k3.common.dsa_pages import kernel_page_slots
 
 _BUFFERS = "_kimi_k3_dsa_page_slot_buffers"
+# Where Model Runner V2's BlockTables keep the groups whose slots they remap.
+BLOCK_TABLES_ATTR = "kimi_k3_dsa_kernel_page_groups"
 
 
-def split_mla_groups(runner: Any) -> dict[int, Any]:
-    """KV cache group id -> the attention group of the Kimi K3.1 MLA backend
-    whose cache the runner split into kernel pages. Runs every step: a model
-    with no split group (any other model) returns before the cache module is
-    imported."""
+@dataclass(frozen=True)
+class KernelPageSlots:
+    """How one KV cache group's slots address its kernel pages."""
+
+    block_size: int
+    page_tokens: int
+    kernel_block_stride: int
+
+    def remap(self, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return kernel_page_slots(
+            slots, self.block_size, self.page_tokens, self.kernel_block_stride, out=out
+        )
+
+
+def kernel_page_slot_groups(attn_groups: Iterable[Any]) -> dict[int, KernelPageSlots]:
+    """KV cache group id -> its kernel-page addressing, for every attention
+    group of the Kimi K3.1 MLA backend whose cache the runner split into
+    kernel pages. Returns before importing the cache module when no group is
+    split (any other model)."""
     split = [
-        (gid, group)
-        for gid, groups in enumerate(getattr(runner, "attn_groups", None) or [])
-        for group in groups
+        group
+        for group in attn_groups
         if group.kernel_block_size is not None and group.kernel_block_stride
     ]
     if not split:
         return {}
     from vllm.models.kimi_k3.common.dsa_cache import KimiK3FlashMLASparseBackend
 
-    return {
-        gid: group
-        for gid, group in split
-        if isinstance(group.backend, type)
-        and issubclass(group.backend, KimiK3FlashMLASparseBackend)
-    }
+    found: dict[int, KernelPageSlots] = {}
+    for group in split:
+        if not (
+            isinstance(group.backend, type)
+            and issubclass(group.backend, KimiK3FlashMLASparseBackend)
+        ):
+            continue
+        pages = KernelPageSlots(
+            group.kv_cache_spec.block_size,
+            group.kernel_block_size,
+            group.kernel_block_stride,
+        )
+        if found.setdefault(group.kv_cache_group_id, pages) != pages:
+            raise ValueError(
+                f"KV cache group {group.kv_cache_group_id} has Kimi K3.1 MLA "
+                f"caches split into kernel pages in two ways ({pages} and "
+                f"{found[group.kv_cache_group_id]}): one slot mapping cannot "
+                "address both."
+            )
+    return found
+
+
+def remap_slot_mapping_rows(
+    slot_mappings: torch.Tensor, groups: dict[int, KernelPageSlots]
+) -> torch.Tensor:
+    """Model Runner V2: put the rows of ``slot_mappings`` (``[num_groups,
+    num_tokens]``, as ``BlockTables.compute_slot_mappings`` returns it) of
+    the split groups in kernel pages, in place (the rows are persistent
+    buffers that CUDA graphs and the speculators read)."""
+    for gid, pages in groups.items():
+        row = slot_mappings[gid]
+        pages.remap(row, out=row)
+    return slot_mappings
+
+
+def configure_block_tables(block_tables: Any, attn_groups: Iterable[Any]) -> None:
+    """Model Runner V2: record on ``block_tables`` which of its groups' slots
+    address kernel pages (after the runner bound the KV caches, which sets
+    the kernel block strides). Cleared when none does."""
+    groups = kernel_page_slot_groups(attn_groups)
+    for gid in groups:
+        if gid >= block_tables.num_kv_cache_groups:
+            raise ValueError(
+                f"KV cache group {gid} of a split Kimi K3.1 MLA cache is not "
+                f"one of the runner's {block_tables.num_kv_cache_groups} block "
+                "tables."
+            )
+    setattr(block_tables, BLOCK_TABLES_ATTR, groups)
+
+
+def split_mla_groups(runner: Any) -> dict[int, KernelPageSlots]:
+    """V1 runner: KV cache group id -> the kernel-page addressing of its
+    split Kimi K3.1 MLA cache. Runs every step."""
+    return kernel_page_slot_groups(
+        group
+        for groups in getattr(runner, "attn_groups", None) or []
+        for group in groups
+    )
 
 
 def remap_slot_mappings(
@@ -54,33 +131,24 @@ def remap_slot_mappings(
     by_layer: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]] | None = None,
     ubatch_slices: Any = None,
 ) -> tuple[Any, Any]:
-    """Put every split MLA group's slots in kernel pages: ``by_gid`` (the
-    attention metadata's) and, when given, ``by_layer`` (the forward
-    context's, per micro-batch when a list) are updated in place with the
-    same tensor and returned."""
+    """V1 runner: put every split MLA group's slots in kernel pages:
+    ``by_gid`` (the attention metadata's) and, when given, ``by_layer`` (the
+    forward context's, per micro-batch when a list) are updated in place with
+    the same tensor, a persistent buffer of the runner, and returned."""
     if by_gid is None:
         return by_gid, by_layer
     split = split_mla_groups(runner)
     if not split:
         return by_gid, by_layer
     buffers: dict[int, torch.Tensor] = runner.__dict__.setdefault(_BUFFERS, {})
-    for gid, group in split.items():
+    for gid, pages in split.items():
         manager = by_gid[gid]
-        block_size = runner.kv_cache_config.kv_cache_groups[
-            gid
-        ].kv_cache_spec.block_size
         full = runner.input_batch.block_table[gid].slot_mapping.gpu
         buffer = buffers.get(gid)
         if buffer is None or buffer.shape != full.shape:
             buffer = buffers[gid] = torch.empty_like(full)
         paged = buffer[: manager.shape[0]]
-        kernel_page_slots(
-            manager,
-            block_size,
-            group.kernel_block_size,
-            group.kernel_block_stride,
-            out=paged,
-        )
+        pages.remap(manager, out=paged)
         by_gid[gid] = paged
         names = runner.kv_cache_config.kv_cache_groups[gid].layer_names
         if by_layer is None:
