@@ -28,8 +28,10 @@ PACKAGES = [
     "vllm.plugins.kimi_k3_dsa",
 ]
 
-# Hopper (FlashMLA sparse / DeepGEMM SM90) and Blackwell datacenter parts.
-DEFAULT_CUDA_ARCHS = "9.0a;10.0a"
+# Hopper (FlashMLA sparse / DeepGEMM SM90) and Blackwell datacenter parts
+# (SM100: B200, GB200; SM103: B300, GB300). Each "a" target runs on exactly
+# its architecture.
+DEFAULT_CUDA_ARCHS = "9.0a;10.0a;10.3a"
 
 
 def _skip(reason: str) -> list:

@@ -29,6 +29,14 @@ void dsa_fused_prologue(
     const std::optional<at::Tensor>& index_slot_mapping,
     at::Tensor& q_c_out, at::Tensor& kv_c_out, bool fp4, bool mx_scales);
 
+// Whether this build holds machine code that `device` can run: a build whose
+// TORCH_CUDA_ARCH_LIST lacks the GPU's architecture fails every launch there
+// ("no kernel image"), so the model must not select these kernels.
+bool kernel_image_runs_on(const void* kernel, int64_t device);
+bool fused_prologue_runs_on(int64_t device);
+bool indexer_k_insert_runs_on(int64_t device);
+bool kernels_run_on(int64_t device);
+
 // Input checks (dsa_checks.cpp). Each raises with the argument's name.
 void check_bf16_rows(const at::Tensor& t, int64_t width, const char* name,
                      const at::Tensor& like);

@@ -296,4 +296,10 @@ void dsa_fused_prologue(
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+bool fused_prologue_runs_on(int64_t device) {
+  return kernel_image_runs_on(
+      reinterpret_cast<const void*>(&dsa_prologue_kernel<false, int64_t>),
+      device);
+}
+
 }  // namespace kimi_k3

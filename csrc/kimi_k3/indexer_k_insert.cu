@@ -118,4 +118,10 @@ void indexer_k_insert(const at::Tensor& index_k,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+bool indexer_k_insert_runs_on(int64_t device) {
+  return kernel_image_runs_on(
+      reinterpret_cast<const void*>(&indexer_k_insert_kernel<false, int64_t>),
+      device);
+}
+
 }  // namespace kimi_k3

@@ -22,6 +22,8 @@ TORCH_LIBRARY(_kimi_k3_C, m) {
       "Tensor? mla_slot_mapping, Tensor(c!)? index_kv_cache, "
       "Tensor? index_slot_mapping, Tensor(d!) q_c_out, Tensor(e!) kv_c_out, "
       "bool fp4, bool mx_scales) -> ()");
+  // Takes no tensor: one implementation for every dispatch key.
+  m.def("kernels_run_on(int device) -> bool", &kimi_k3::kernels_run_on);
 }
 
 TORCH_LIBRARY_IMPL(_kimi_k3_C, CUDA, m) {

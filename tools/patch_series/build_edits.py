@@ -14,7 +14,7 @@ from patch_series.edits import Edit, insert_after, insert_before
 CMAKE_MODULE = "cmake/kimi_k3_dsa.cmake"
 # Hopper (FlashMLA sparse / DeepGEMM SM90) and Blackwell datacenter parts, as
 # the overlay's setup.py builds them.
-KIMI_K3_DSA_ARCHS = "9.0a;10.0a"
+KIMI_K3_DSA_ARCHS = "9.0a;10.0a;10.3a"
 
 
 def cmake_module(sources: list[str]) -> str:

@@ -2,7 +2,7 @@
 """Build the series' ``_kimi_k3_C`` CMake target by itself in the patched
 tree, against the installed vLLM 0.33.0 wheel's torch.
 
-    python tools/patch_series/cmake_target.py [--archs "9.0a;10.0a"]
+    python tools/patch_series/cmake_target.py [--archs "9.0a;10.0a;10.3a"]
 
 runs after ``in_tree.py run`` has applied the series to
 ``build/patch_series/applied``. vLLM's full configure step cannot run here:

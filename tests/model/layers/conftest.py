@@ -49,3 +49,6 @@ def no_extension(monkeypatch):
     """A machine without ``vllm._kimi_k3_C`` (CI builds it; a user's install
     without nvcc has none)."""
     monkeypatch.setattr(DF, "kimi_k3_extension_available", lambda: False)
+    monkeypatch.setattr(
+        DF.dsa_extension, "unavailable_reason", lambda: "vllm._kimi_k3_C not available"
+    )

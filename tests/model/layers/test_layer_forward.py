@@ -375,6 +375,29 @@ def test_indexer_forward_dummy_run_with_index_rope(dsa_layer_env, monkeypatch):
     assert seen["args"][14] is False  # the op inserts it
 
 
+def test_a_gpu_the_build_lacks_serves_with_upstream_ops(dsa_layer_env, monkeypatch):
+    """A GPU whose architecture the extension was not built for (SM103 with a
+    sm_90a/sm_100a build): neither the fused key insert nor the fused forward
+    is selected, and the reason names the GPU. Stubbed: the extension's
+    probe of the GPU, which a CPU cannot run."""
+    from vllm.models.kimi_k3.nvidia.dsa_fused import fused_forward_blockers
+    from vllm.models.kimi_k3.nvidia.dsa_ops import _extension
+
+    reason = (
+        "vllm._kimi_k3_C holds no kernels for this GPU (SM103): rebuild it "
+        "with TORCH_CUDA_ARCH_LIST including 10.3a"
+    )
+    monkeypatch.setattr(_extension, "unavailable_reason", lambda: reason)
+    # What the probe makes _extension_loaded say (the autouse fixture of this
+    # folder pretends the extension runs).
+    monkeypatch.setattr(DI, "_extension_loaded", lambda: False)
+    indexer = build_indexer(dsa_layer_env)
+    assert not indexer.use_fused_k_insert
+    assert indexer.k_insert_blockers == [reason]
+    layer = build(dsa_layer_env)
+    assert reason in fused_forward_blockers(layer)
+
+
 def test_fused_insert_needs_the_extension(dsa_layer_env, monkeypatch):
     # Without vllm._kimi_k3_C the key is normed in torch and 0.33.0's op
     # inserts it: the wrapper path with upstream ops only.

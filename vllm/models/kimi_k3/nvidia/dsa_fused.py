@@ -40,10 +40,11 @@ if TYPE_CHECKING:
 
 
 def kimi_k3_extension_available() -> bool:
-    """Whether ``vllm._kimi_k3_C`` (our CUDA kernels) is built and loads.
-    Without it (a CPU machine, a build without nvcc) the fused forward does
+    """Whether ``vllm._kimi_k3_C`` (our CUDA kernels) is built, loads and
+    holds machine code for this GPU. Without it (a CPU machine, a build
+    without nvcc or without this GPU's architecture) the fused forward does
     not switch on and the wrapper path serves with upstream ops only."""
-    return dsa_extension.extension_available()
+    return dsa_extension.unavailable_reason() is None
 
 
 def _norm_eps(norm: nn.Module) -> float | None:
@@ -109,7 +110,9 @@ def fused_forward_blockers(layer: KimiK3DSAAttention) -> list[str]:
         ):
             blockers.append("quantized projections")
     if not kimi_k3_extension_available():
-        blockers.append("vllm._kimi_k3_C not available")
+        blockers.append(
+            dsa_extension.unavailable_reason() or "vllm._kimi_k3_C not available"
+        )
     return blockers
 
 

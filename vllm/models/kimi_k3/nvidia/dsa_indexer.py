@@ -58,8 +58,9 @@ logger = init_logger(__name__)
 
 
 def _extension_loaded() -> bool:
-    """Whether ``vllm._kimi_k3_C`` loads, for the key insert's selection."""
-    return dsa_extension.extension_available()
+    """Whether ``vllm._kimi_k3_C`` loads and runs on this GPU, for the key
+    insert's selection."""
+    return dsa_extension.unavailable_reason() is None
 
 
 def fused_k_insert_blockers(
@@ -86,7 +87,9 @@ def fused_k_insert_blockers(
         blockers.append(f"index_rope_dim {index_rope_dim}")
     blockers += k_insert_unsupported(index_head_dim, index_num_heads)
     if not blockers and not _extension_loaded():
-        blockers.append("vllm._kimi_k3_C not available")
+        blockers.append(
+            dsa_extension.unavailable_reason() or "vllm._kimi_k3_C not available"
+        )
     return blockers
 
 

@@ -53,7 +53,32 @@ def extension_available() -> bool:
                 return False
         except (ImportError, OSError):
             return False
-    return hasattr(torch.ops._kimi_k3_C, "dsa_fused_prologue")
+    ops = torch.ops._kimi_k3_C
+    return hasattr(ops, "dsa_fused_prologue") and hasattr(ops, "kernels_run_on")
+
+
+@functools.cache
+def _kernels_run_on(device_index: int) -> bool:
+    return bool(torch.ops._kimi_k3_C.kernels_run_on(device_index))
+
+
+def unavailable_reason() -> str | None:
+    """Why our kernels cannot run in this process (None: they can): the
+    extension is not built, there is no CUDA device, or the build holds no
+    machine code for this GPU's architecture (its ``TORCH_CUDA_ARCH_LIST``
+    lacked it), where every launch would fail."""
+    if not extension_available():
+        return "vllm._kimi_k3_C not available"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    index = torch.cuda.current_device()
+    if not _kernels_run_on(index):
+        major, minor = torch.cuda.get_device_capability(index)
+        return (
+            f"vllm._kimi_k3_C holds no kernels for this GPU (SM{major}{minor}): "
+            f"rebuild it with TORCH_CUDA_ARCH_LIST including {major}.{minor}a"
+        )
+    return None
 
 
 def kimi_k3_ops():
