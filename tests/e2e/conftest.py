@@ -55,10 +55,14 @@ def log_dir(e2e_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_dsa(e2e_dir: Path) -> Path:
-    """The tiny Kimi K3.1 checkpoint with the generator's defaults."""
+    """The tiny Kimi K3.1 checkpoint with the e2e query heads and top-k
+    (``tiny_serving.E2E_QUERY_HEADS``: each prompt takes the path its test
+    names)."""
+    from tiny_serving import e2e_checkpoint_overrides
+
     from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import write_tiny_checkpoint
 
-    return write_tiny_checkpoint(e2e_dir / "tiny-k3.1")
+    return write_tiny_checkpoint(e2e_dir / "tiny-k3.1", **e2e_checkpoint_overrides())
 
 
 @pytest.fixture(scope="session")
@@ -73,6 +77,105 @@ def tiny_real_attention(e2e_dir: Path) -> Path:
     return write_tiny_checkpoint(
         e2e_dir / "tiny-k3.1-real-attention", **real_attention_overrides()
     )
+
+
+ENGINE_SPECS = pytest.StashKey[dict[str, Any]]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """Gather the engine runs the selected tests compare (their ``engines``
+    markers, looked up in their module's ``ENGINES``), so that the session
+    starts them all at once (``engine_pool``)."""
+    wanted: dict[str, Any] = {}
+    for item in items:
+        for marker in item.iter_markers("engines"):
+            table = getattr(item.module, "ENGINES", {})
+            for label in marker.args:
+                wanted.setdefault(label, table[label])
+    config.stash[ENGINE_SPECS] = wanted
+
+
+@pytest.fixture(scope="session")
+def engine_pool(
+    request: pytest.FixtureRequest,
+    e2e_dir: Path,
+    log_dir: Path,
+    tiny_dsa: Path,
+    report: Callable[..., None],
+):
+    """Every engine run of the selected tests, started together in their own
+    processes (``engine_pool.EnginePool``; ``KIMI_K3_DSA_E2E_PARALLEL`` caps
+    how many run at once)."""
+    from engine_pool import EnginePool
+    from tiny_serving import ALL_PROMPTS, SHORT_PROMPTS, dense_twin
+
+    specs = request.config.stash.get(ENGINE_SPECS, {})
+    checkpoints = {"dsa": tiny_dsa}
+    names = {spec.checkpoint for spec in specs.values()}
+    if "dense" in names:
+        checkpoints["dense"] = dense_twin(tiny_dsa, e2e_dir / "tiny-k3-dense")
+    if "dsa-multimodal" in names:
+        from tiny_serving import e2e_checkpoint_overrides
+
+        from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+            write_tiny_checkpoint,
+        )
+
+        checkpoints["dsa-multimodal"] = write_tiny_checkpoint(
+            e2e_dir / "tiny-k3.1-mm", multimodal=True, **e2e_checkpoint_overrides()
+        )
+    work = e2e_dir / "engine_runs"
+    work.mkdir(exist_ok=True)
+    pool = EnginePool(
+        checkpoints,
+        {"all": ALL_PROMPTS, "short": SHORT_PROMPTS},
+        work,
+        log_dir,
+        int(os.environ.get("KIMI_K3_DSA_E2E_PARALLEL", len(specs) or 1)),
+    )
+    pool.submit(specs.items())
+    yield pool
+    pool.close()
+    report("engine_pool", parallel=pool.max_parallel, timings=pool.timings())
+
+
+@pytest.fixture(scope="session")
+def one_gpu_runs(engine_pool, report: Callable[..., None]) -> Any:
+    """The results of ``engine_pool``'s runs: ``.run(label)`` (an
+    :class:`tiny_serving.EngineRun`, checked to come from Model Runner V2)
+    and ``.serve(label)``."""
+    from tiny_serving import V2_MODEL_RUNNER, EngineRun, ServeResult
+
+    runs: dict[str, Any] = {}
+
+    class Runs:
+        def run(self, label: str) -> EngineRun:
+            if label not in runs:
+                run = EngineRun.from_json(engine_pool.result(label))
+                report(
+                    "engine_run",
+                    label=run.label,
+                    load_s=round(run.load_s, 1),
+                    first_token_s=round(run.first_token_s, 3),
+                    forward_paths=run.forward_paths,
+                    model_runner=run.model_runner,
+                    prompt_paths=run.prompt_paths,
+                    batched_paths=run.batched_paths,
+                    tokens=[c.tokens for c in run.completions],
+                    engine_kwargs=run.engine_kwargs,
+                )
+                # vLLM 0.33.0 runs V2 wherever Triton does: a V1 run here
+                # would test a runner no GPU user gets.
+                assert run.model_runner == V2_MODEL_RUNNER, (label, run.model_runner)
+                runs[label] = run
+            return runs[label]
+
+        def serve(self, label: str) -> ServeResult:
+            if label not in runs:
+                runs[label] = ServeResult(**engine_pool.result(label))
+            return runs[label]
+
+    return Runs()
 
 
 @pytest.fixture(scope="session")
@@ -106,6 +209,8 @@ def engine_runs(report: Callable[..., None]) -> Callable[..., Any]:
                 load_s=round(run.load_s, 1),
                 first_token_s=round(run.first_token_s, 3),
                 forward_paths=run.forward_paths,
+                model_runner=run.model_runner,
+                prompt_paths=run.prompt_paths,
                 tokens=[c.tokens for c in run.completions],
                 engine_kwargs=run.engine_kwargs,
             )

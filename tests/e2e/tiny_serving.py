@@ -29,10 +29,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Prompt lengths below and above the tiny checkpoint's index_topk (128): the
-# short ones select every cached token, the long ones exercise the top-k.
-SHORT_PROMPT_LENS = (17, 100)
+# The e2e checkpoint's query heads and top-k, chosen so that every prompt
+# takes the attention path its test names. FlashMLA sparse runs a request of
+# at most ``reorder_batch_threshold`` query tokens as a decode (vLLM 0.33.0:
+# 128 at 16 query heads on SM90 and SM10x, 256 at the tiny default of 4, which
+# made the old 17- and 100-token prompts decodes), and a prefill no longer
+# than top-k as dense MHA (unless ``sparse_mla_force_mqa``).
+E2E_QUERY_HEADS = 16
+E2E_INDEX_TOPK = 256
+# Prompt lengths: the short ones are longer than that threshold and no longer
+# than top-k (dense-MHA prefills that select every cached token); the long
+# ones exceed top-k (sparse prefills that exercise the top-k).
+SHORT_PROMPT_LENS = (150, 250)
 LONG_PROMPT_LENS = (300, 700)
+# What a step of the DSA layers ran, read from the metadata FlashMLA sparse's
+# builder made for it (see record_attention_paths).
+DENSE_MHA_PREFILL = "dense-mha-prefill"
+SPARSE_PREFILL = "sparse-prefill"
+DECODE = "decode"
+# The runner vLLM 0.33.0 uses wherever Triton runs (every GPU host).
+V2_MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
 MAX_TOKENS = 12
 NUM_LOGPROBS = 5
 MAX_MODEL_LEN = 1024
@@ -82,10 +98,34 @@ REAL_ATTENTION_ONE_GPU_LABEL = "real-attention-tp1-{mode}"
 GPU_MEMORY_UTILIZATION = 0.25
 
 
+def e2e_checkpoint_overrides() -> dict[str, Any]:
+    """Text-config overrides of the e2e checkpoint (see
+    :data:`E2E_QUERY_HEADS`)."""
+    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import TINY_DSA_CONFIG
+
+    return {
+        "num_attention_heads": E2E_QUERY_HEADS,
+        "num_key_value_heads": E2E_QUERY_HEADS,
+        "dsa_config": {**TINY_DSA_CONFIG, "index_topk": E2E_INDEX_TOPK},
+    }
+
+
+def expected_paths(prompt_len: int, force_mqa: bool = False) -> list[str]:
+    """The attention paths a prompt served alone takes, in order: its prefill
+    (dense MHA when no longer than top-k, unless MQA is forced), then the
+    decode steps."""
+    dense = prompt_len <= E2E_INDEX_TOPK and not force_mqa
+    return [DENSE_MHA_PREFILL if dense else SPARSE_PREFILL, DECODE]
+
+
 def prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
     """Random token-id prompts (reproducible)."""
     rng = random.Random(seed)
     return [[rng.randrange(PROMPT_VOCAB) for _ in range(n)] for n in lengths]
+
+
+ALL_PROMPTS = prompts(SHORT_PROMPT_LENS + LONG_PROMPT_LENS)
+SHORT_PROMPTS = ALL_PROMPTS[: len(SHORT_PROMPT_LENS)]
 
 
 @dataclass
@@ -113,6 +153,40 @@ class EngineRun:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     # The KV cache vLLM allocated (see kv_cache_allocation).
     kv_cache: KVCacheAllocation | None = None
+    # The model runner class of rank 0's worker (module.qualname).
+    model_runner: str | None = None
+    # Per prompt served alone, and for the batch: the attention paths its
+    # steps took, in order of first use (see record_attention_paths).
+    prompt_paths: list[list[str]] = field(default_factory=list)
+    batched_paths: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EngineRun:
+        def completions(items: list[dict[str, Any]]) -> list[Completion]:
+            return [
+                Completion(
+                    c["tokens"],
+                    None
+                    if c["logprobs"] is None
+                    else [
+                        {int(t): lp for t, lp in pos.items()} for pos in c["logprobs"]
+                    ],
+                )
+                for c in items
+            ]
+
+        kv = data.get("kv_cache")
+        return cls(
+            **{
+                **data,
+                "completions": completions(data["completions"]),
+                "batched": completions(data["batched"]),
+                "kv_cache": None if kv is None else KVCacheAllocation(**kv),
+            }
+        )
 
 
 @dataclass
@@ -218,14 +292,17 @@ def run_llm(
         detokenize=False,
     )
 
-    def generate(llm: Any, batch: list[list[int]]) -> list[Completion]:
+    def generate(
+        llm: Any, batch: list[list[int]]
+    ) -> tuple[list[Completion], list[str]]:
         with _watchdog(timeout_s, f"{label}: generate"):
             outputs = llm.generate(
                 [TokensPrompt(prompt_token_ids=p) for p in batch],
                 params,
                 use_tqdm=False,
             )
-        return [_completion(output) for output in outputs]
+        steps = llm.collective_rpc(read_attention_paths, timeout=60)[0]
+        return [_completion(output) for output in outputs], steps
 
     with environment(env):
         start = time.perf_counter()
@@ -235,13 +312,20 @@ def run_llm(
         try:
             paths = sorted({p for ps in llm.apply_model(dsa_forward_paths) for p in ps})
             kv_cache = kv_cache_allocation(llm)
+            llm.collective_rpc(record_attention_paths, timeout=60)
+            completions: list[Completion] = []
+            prompt_paths: list[list[str]] = []
             start = time.perf_counter()
-            completions = generate(llm, prompt_ids[:1])
-            first_s = time.perf_counter() - start
-            completions += [c for p in prompt_ids[1:] for c in generate(llm, [p])]
-            batched = generate(llm, prompt_ids)
+            for i, prompt in enumerate(prompt_ids):
+                (completion,), steps = generate(llm, [prompt])
+                if i == 0:
+                    first_s = time.perf_counter() - start
+                completions.append(completion)
+                prompt_paths.append(steps)
+            batched, batched_paths = generate(llm, prompt_ids)
         finally:
             _shutdown(llm)
+    workers = kv_cache.workers if kv_cache is not None else []
     return EngineRun(
         label,
         completions,
@@ -251,6 +335,9 @@ def run_llm(
         paths,
         {k: v for k, v in kwargs.items() if k != "model"},
         kv_cache,
+        model_runner=workers[0].get("model_runner") if workers else None,
+        prompt_paths=prompt_paths,
+        batched_paths=batched_paths,
     )
 
 
@@ -309,6 +396,72 @@ def dsa_forward_paths(model: Any) -> list[str]:
     return sorted(paths)
 
 
+_PATHS_ATTR = "_kimi_k3_dsa_e2e_attention_paths"
+
+
+def _step_paths(layer: Any, metadata: Any) -> list[str]:
+    """The paths one step's FlashMLA sparse metadata sends its requests down:
+    the decodes (``num_decodes``, requests of at most
+    ``reorder_batch_threshold`` query tokens) and the prefills, dense MHA
+    when the layer's own test (``MLAAttention._use_sparse_mha``) says so."""
+    paths = []
+    if getattr(metadata, "num_prefills", 0):
+        dense = bool(layer._use_sparse_mha(metadata))
+        paths.append(DENSE_MHA_PREFILL if dense else SPARSE_PREFILL)
+    if getattr(metadata, "num_decodes", 0):
+        paths.append(DECODE)
+    return paths
+
+
+def record_attention_paths(worker: Any) -> int:
+    """In a worker: from now on, record which attention paths each step of
+    the target model's DSA layers takes. Wraps the metadata builders of the
+    first attention group of the DSA MLA backend (every DSA layer of a step
+    shares that decision). Returns the number of builders wrapped."""
+    from vllm.models.kimi_k3.common.dsa_cache import KimiK3FlashMLASparseBackend
+
+    recorded: list[list[str]] = []
+    setattr(worker, _PATHS_ATTR, recorded)
+    groups = [
+        group
+        for groups in getattr(worker.model_runner, "attn_groups", [])
+        for group in groups
+        if isinstance(group.backend, type)
+        and issubclass(group.backend, KimiK3FlashMLASparseBackend)
+    ]
+    if not groups:
+        return 0
+    context = worker.vllm_config.compilation_config.static_forward_context
+    layer = context[groups[0].layer_names[0]]
+
+    def wrap(builder: Any) -> None:
+        build = builder.build
+
+        def recording_build(*args: Any, **kwargs: Any) -> Any:
+            metadata = build(*args, **kwargs)
+            recorded.append(_step_paths(layer, metadata))
+            return metadata
+
+        builder.build = recording_build
+
+    for builder in groups[0].metadata_builders:
+        wrap(builder)
+    return len(groups[0].metadata_builders)
+
+
+def read_attention_paths(worker: Any) -> list[str]:
+    """In a worker: the paths recorded since the last read, in order of first
+    use, and clear them."""
+    recorded = getattr(worker, _PATHS_ATTR, None)
+    if recorded is None:
+        return []
+    ordered: list[str] = []
+    for step in recorded:
+        ordered += [p for p in step if p not in ordered]
+    recorded.clear()
+    return ordered
+
+
 def kv_cache_allocation(llm: Any) -> KVCacheAllocation:
     """What ``llm``'s engine allocated for the KV cache (see
     :class:`KVCacheAllocation`). A failure to read it is recorded, not
@@ -353,8 +506,10 @@ def worker_kv_cache(worker: Any) -> dict[str, Any]:
         for group in groups
     ]
     available = getattr(worker, "available_kv_cache_memory_bytes", None)
+    runner = type(getattr(worker, "model_runner", None))
     return {
         "rank": getattr(worker, "rank", None),
+        "model_runner": f"{runner.__module__}.{runner.__qualname__}",
         "available_kv_cache_memory_bytes": (
             None if available is None else int(available)
         ),
@@ -517,6 +672,10 @@ def serve_and_complete(
     log_path: Path,
     timeout_s: float = 420.0,
     extra_args: tuple[str, ...] = (),
+    memory_args: tuple[str, ...] = (
+        "--gpu-memory-utilization",
+        str(GPU_MEMORY_UTILIZATION),
+    ),
 ) -> ServeResult:
     """Start ``vllm serve`` (the real CLI) on 127.0.0.1, wait for ``/health``,
     send one ``/v1/completions`` request with token ids, stop the server."""
@@ -534,8 +693,7 @@ def serve_and_complete(
         "--skip-tokenizer-init",
         "--max-model-len",
         str(MAX_MODEL_LEN),
-        "--gpu-memory-utilization",
-        str(GPU_MEMORY_UTILIZATION),
+        *memory_args,
         "--no-enable-prefix-caching",
         "--max-num-seqs",
         str(MAX_NUM_SEQS),
