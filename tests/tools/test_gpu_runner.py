@@ -1,0 +1,115 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The GPU sitting's runner (``tools/gpu/run.py``) on the CPU: suites run
+detached from the command that started them, a group after the one before,
+progress survives in the state folder, and a poll packs what there is."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+RUNNER = Path(__file__).resolve().parents[2] / "tools" / "gpu" / "run.py"
+
+
+def runner(
+    state: Path, *args: str, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        [sys.executable, str(RUNNER), "--state", str(state), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+
+
+def progress(state: Path) -> dict:
+    return json.loads((state / "progress.json").read_text())
+
+
+def wait_ended(state: Path, timeout_s: float = 60) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        p = progress(state)
+        if "ended" in p:
+            return p
+        time.sleep(0.2)
+    raise AssertionError(progress(state))
+
+
+def test_groups_run_in_order_and_a_poll_packs_the_logs(tmp_path):
+    state, out = tmp_path / "gpu", tmp_path / "out"
+    out.mkdir()
+    started = runner(
+        state,
+        "start", "a,b", "--then", "c",
+        "--command", "a=echo from-a; sleep 1",
+        "--command", "b=echo from-b; exit 3",
+        "--command", "c=echo from-c",
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    # The command returned at once; the supervisor goes on in its own session.
+    assert progress(state)["suites"]["c"]["state"] in ("pending", "running", "passed")
+    polled = runner(state, "poll", "--wait", "60", env={"OUT": str(out)})
+    assert polled.returncode == 0, polled.stderr
+    suites = wait_ended(state)["suites"]
+    assert suites["a"]["state"] == "passed" and suites["a"]["rc"] == 0
+    assert suites["b"]["state"] == "failed" and suites["b"]["rc"] == 3
+    assert suites["c"]["state"] == "passed"
+    # The second group started after the first had ended.
+    assert suites["c"]["started"] >= max(suites["a"]["ended"], suites["b"]["ended"])
+    assert "from-b" in polled.stdout and "failed" in polled.stdout
+    with tarfile.open(out / "gpu-results.tar.gz") as tar:
+        names = tar.getnames()
+        assert "gpu/progress.json" in names
+        log = tar.extractfile("gpu/a/console.log").read().decode()
+    assert log.strip() == "from-a"
+
+
+def test_a_running_sitting_is_not_restarted_and_stop_kills_it(tmp_path):
+    state = tmp_path / "gpu"
+    assert runner(state, "start", "s", "--command", "s=sleep 60").returncode == 0
+    again = runner(state, "start", "s", "--command", "s=sleep 60")
+    assert again.returncode == 2 and "still pending or running" in again.stderr
+    deadline = time.monotonic() + 30
+    while progress(state)["suites"]["s"].get("pid") is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert runner(state, "stop").returncode == 0
+    assert progress(state)["suites"]["s"]["state"] == "killed"
+    polled = runner(state, "poll", "--wait", "30")
+    assert "killed" in polled.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("start", "nonesuch"), "unknown suites ['nonesuch']"),
+        (("start", "x", "--command", "x"), "--command takes NAME=COMMAND"),
+    ],
+)
+def test_bad_starts_are_refused(tmp_path, args, message):
+    result = runner(tmp_path / "gpu", *args)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert not (tmp_path / "gpu" / "progress.json").exists()
+
+
+def test_the_named_suites_exist():
+    sys.path.insert(0, str(RUNNER.parent))
+    try:
+        import run
+    finally:
+        sys.path.remove(str(RUNNER.parent))
+    assert {"e2e", "kernels", "timing", "fidelity", "layer-small"} <= set(run.SUITES)
+    for suite in run.SUITES.values():
+        assert "$LOGS" in suite.command

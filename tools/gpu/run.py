@@ -1,0 +1,373 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The GPU sitting's runner: starts the named suites detached on the GPU test
+host and reports on them, so that a host lost mid-run still leaves results.
+
+The test host is released about 30 s after a command returns and after
+30 minutes held, and one command may run for at most 10 minutes; suites take
+longer. So, on the host, from the project root (``docs/gpu_runbook.md`` has
+the whole sitting, staging included):
+
+    python3 tools/gpu/run.py install
+        vLLM 0.33.0 from the staged offline bundle (``/tmp/offline-vllm``) and
+        this package into ``/tmp/site``; vLLM's own DeepGEMM and FlashMLA
+        linked for the kernel tests; the extension copied into the checkout.
+    python3 tools/gpu/run.py start e2e,kernels,fidelity --then timing,layer-small
+        starts a supervisor in its own session (it outlives the command):
+        the suites of a group run at the same time, the groups one after the
+        other. Progress and logs go to ``build/gpu/`` (git-ignored, kept by
+        the host between commands).
+    python3 tools/gpu/run.py poll --wait 540
+        waits up to that long (or until every suite has ended), prints the
+        progress, and packs everything so far into ``$OUT/gpu-results.tar.gz``.
+
+Only the standard library: it runs under the host's python before anything
+is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# Git-ignored, so the host keeps it between commands; --state overrides.
+DEFAULT_STATE = ROOT / "build" / "gpu"
+STAGE = Path("/tmp/offline-vllm")
+SITE = Path("/tmp/site")
+CONSUMERS = Path("/tmp/kimi-k3-consumers")
+# What a vLLM process needs on the host (tools/offline-vllm's README): no
+# FlashInfer, no CuTe DSL.
+VLLM_ENV = {
+    "PYTHONPATH": str(SITE),
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "VLLM_KIMI_K3_GEMM_AR": "0",
+    "VLLM_ENABLE_GEMM_RS": "0",
+}
+KERNEL_ENV = {"KIMI_K3_DEVICE_DIR": str(CONSUMERS)}
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One suite: a shell command run from the project root with ``$LOGS``
+    (its log folder) and ``env`` set; passes when it exits 0."""
+
+    command: str
+    env: dict[str, str]
+    timeout_s: int
+    what: str
+
+
+SUITES: dict[str, Suite] = {
+    "e2e": Suite(
+        "OUT=$LOGS bash tests/e2e/e2e_gpu_run.sh",
+        VLLM_ENV,
+        1200,
+        "the one-GPU serving suite (vllm.LLM and vllm serve)",
+    ),
+    "kernels": Suite(
+        'OUT=$LOGS KIMI_K3_DSA_KERNEL_STEPS="tests bad sanitizer" '
+        "bash tests/kernels/dsa_gpu_run.sh",
+        KERNEL_ENV,
+        900,
+        "kernels vs references and vLLM's consumers, bad inputs, "
+        "compute-sanitizer memcheck and racecheck",
+    ),
+    "timing": Suite(
+        "OUT=$LOGS KIMI_K3_DSA_KERNEL_STEPS=timing bash tests/kernels/dsa_gpu_run.sh",
+        KERNEL_ENV,
+        300,
+        "the cache writers' graph-replay timings (alone on the GPU)",
+    ),
+    "fidelity": Suite(
+        "python3 benchmarks/fidelity/bench_fidelity.py --contexts 4K 32K 128K "
+        "--topk 2048 --num-queries 64 --recipes structured "
+        "structured-no-outliers gaussian --tiny-checkpoint-activations "
+        "--device cuda --seed 0 --json $LOGS/fidelity.json",
+        VLLM_ENV,
+        900,
+        "top-k recall and layer-output error of the quantized caches",
+    ),
+    "layer-small": Suite(
+        "python3 benchmarks/layer/bench_dsa_layer.py --layers fused wrapper v32 "
+        "--tp-heads 12 --decode-batches 1 --contexts 4096 --prefill-chunks 1024 "
+        "--json $LOGS/layer.json",
+        VLLM_ENV,
+        600,
+        "the layer benchmark's smallest case",
+    ),
+}
+
+
+def _now() -> float:
+    return round(time.time(), 1)
+
+
+def _read_progress(state: Path) -> dict:
+    path = state / "progress.json"
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def _write_progress(state: Path, progress: dict) -> None:
+    tmp = state / "progress.json.tmp"
+    tmp.write_text(json.dumps(progress, indent=1))
+    tmp.replace(state / "progress.json")
+
+
+def _commit() -> str:
+    head = ROOT / ".git" / "HEAD"
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return head.read_text().strip() if head.exists() else "unknown"
+
+
+def install(args: argparse.Namespace) -> int:
+    """vLLM and this package into /tmp/site; consumers; the extension."""
+    script = STAGE / "install.sh"
+    if not script.exists():
+        print(f"no {script}: stage the offline-vllm chunks first", file=sys.stderr)
+        return 1
+    status = subprocess.run(["bash", str(script)], cwd=ROOT).returncode
+    if status:
+        return status
+    CONSUMERS.mkdir(parents=True, exist_ok=True)
+    links = {
+        "deep_gemm": SITE / "vllm" / "third_party" / "deep_gemm",
+        "_flashmla_C.abi3.so": SITE / "vllm" / "_flashmla_C.abi3.so",
+    }
+    for name, target in links.items():
+        link = CONSUMERS / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target)
+    built = sorted((SITE / "vllm").glob("_kimi_k3_C*.so"))
+    if not built:
+        print("install.sh built no vllm/_kimi_k3_C*.so", file=sys.stderr)
+        return 1
+    for old in (ROOT / "vllm").glob("_kimi_k3_C*.so"):
+        old.unlink()
+    shutil.copy2(built[0], ROOT / "vllm" / built[0].name)
+    print(f"consumers in {CONSUMERS}; {built[0].name} copied into the checkout")
+    return 0
+
+
+def _parse_extra(specs: list[str]) -> dict[str, Suite]:
+    """``NAME=COMMAND`` suites given on the command line (run with vLLM's
+    environment, e.g. a larger benchmark grid)."""
+    extra = {}
+    for spec in specs:
+        name, sep, command = spec.partition("=")
+        if not sep or not name or not command:
+            raise SystemExit(f"--command takes NAME=COMMAND, got {spec!r}")
+        extra[name] = Suite(command, VLLM_ENV, 540, f"command: {command}")
+    return extra
+
+
+def start(args: argparse.Namespace) -> int:
+    suites = {**SUITES, **_parse_extra(args.command)}
+    groups = [g.split(",") for g in [args.suites, *args.then]]
+    unknown = [s for g in groups for s in g if s not in suites]
+    if unknown:
+        print(f"unknown suites {unknown}; known: {sorted(suites)}", file=sys.stderr)
+        return 2
+    state = args.state
+    running = [
+        name
+        for name, entry in _read_progress(state).get("suites", {}).items()
+        if entry.get("state") in ("pending", "running")
+    ]
+    if running and not args.force:
+        print(f"suites {running} are still pending or running", file=sys.stderr)
+        return 2
+    state.mkdir(parents=True, exist_ok=True)
+    _write_progress(
+        state,
+        {
+            "commit": _commit(),
+            "started": _now(),
+            "groups": groups,
+            "suites": {
+                name: {
+                    "state": "pending",
+                    "what": suites[name].what,
+                    "command": suites[name].command,
+                    "env": suites[name].env,
+                    "timeout_s": suites[name].timeout_s,
+                }
+                for group in groups
+                for name in group
+            },
+        },
+    )
+    with open(state / "supervisor.log", "a") as log:
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--state",
+                str(state),
+                "_supervise",
+            ],  # fmt: skip
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    print(f"started {groups}; progress in {state / 'progress.json'}")
+    return 0
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    state = args.state
+    progress = _read_progress(state)
+    progress["supervisor_pid"] = os.getpid()
+    for group in progress["groups"]:
+        procs: dict[str, tuple[subprocess.Popen, float]] = {}
+        for name in group:
+            entry = progress["suites"][name]
+            logs = state / name
+            logs.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, **entry["env"], "LOGS": str(logs)}
+            out = open(logs / "console.log", "w")  # noqa: SIM115 (closed by exit)
+            proc = subprocess.Popen(
+                [
+                    "timeout",
+                    "-s",
+                    "KILL",
+                    str(entry["timeout_s"]),
+                    "bash",
+                    "-c",
+                    entry["command"],
+                ],  # fmt: skip
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            procs[name] = (proc, time.time())
+            entry.update(state="running", started=_now(), pid=proc.pid)
+        _write_progress(state, progress)
+        while procs:
+            time.sleep(1)
+            for name, (proc, began) in list(procs.items()):
+                rc = proc.poll()
+                if rc is None:
+                    continue
+                progress["suites"][name].update(
+                    state="passed" if rc == 0 else "failed",
+                    rc=rc,
+                    ended=_now(),
+                    wall_s=round(time.time() - began, 1),
+                )
+                del procs[name]
+                _write_progress(state, progress)
+    progress["ended"] = _now()
+    _write_progress(state, progress)
+    return 0
+
+
+ENDED = ("passed", "failed", "killed")
+
+
+def poll(args: argparse.Namespace) -> int:
+    """Wait up to ``--wait`` seconds (less once every suite has ended), print
+    the progress, and pack the state folder into ``$OUT``."""
+    state = args.state
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:
+        states = [e["state"] for e in _read_progress(state).get("suites", {}).values()]
+        if states and all(s in ENDED for s in states):
+            break
+        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+    progress = _read_progress(state)
+    print(f"commit {progress.get('commit', '?')}")
+    for name, entry in progress.get("suites", {}).items():
+        wall = entry.get("wall_s")
+        if wall is None and entry.get("started"):
+            wall = round(time.time() - entry["started"], 1)
+        print(f"{name:12s} {entry['state']:8s} rc={entry.get('rc', '-')} wall={wall}s")
+        console = state / name / "console.log"
+        if console.exists() and args.tail:
+            lines = console.read_text(errors="replace").splitlines()[-args.tail :]
+            print("\n".join(f"    {line}" for line in lines))
+    out = os.environ.get("OUT")
+    if out and state.exists():
+        archive = Path(out) / "gpu-results.tar.gz"
+        with tarfile.open(archive, "w:gz") as tar:
+            for path in sorted(state.rglob("*")):
+                if path.is_file() and path.stat().st_size <= args.max_file_bytes:
+                    tar.add(path, arcname=str(path.relative_to(state.parent)))
+        print(f"packed {archive} ({archive.stat().st_size} B)")
+    return 0
+
+
+def stop(args: argparse.Namespace) -> int:
+    """Kill the supervisor and every suite still going (each runs in its own
+    process group); those suites are marked ``killed``."""
+    state = args.state
+    progress = _read_progress(state)
+    pids = [progress.get("supervisor_pid")]
+    for entry in progress.get("suites", {}).values():
+        if entry.get("state") in ("pending", "running"):
+            pids.append(entry.get("pid"))
+            entry["state"] = "killed"
+    for pid in pids:
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    if progress:
+        _write_progress(state, progress)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--state", type=Path, default=DEFAULT_STATE)
+    sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("install").set_defaults(fn=install)
+    p = sub.add_parser("start")
+    p.add_argument("suites", help=f"comma-separated, of {sorted(SUITES)}")
+    p.add_argument("--then", action="append", default=[], help="a later group")
+    p.add_argument(
+        "--command",
+        action="append",
+        default=[],
+        metavar="NAME=COMMAND",
+        help="an extra suite (vLLM's environment) that the groups may name",
+    )
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(fn=start)
+    p = sub.add_parser("poll")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds, at most")
+    p.add_argument("--tail", type=int, default=6, help="console lines per suite")
+    p.add_argument("--max-file-bytes", type=int, default=4 << 20)
+    p.set_defaults(fn=poll)
+    sub.add_parser("stop").set_defaults(fn=stop)
+    sub.add_parser("_supervise").set_defaults(fn=_supervise)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
