@@ -51,7 +51,7 @@ def test_groups_run_in_order_and_a_poll_packs_the_logs(tmp_path):
     out.mkdir()
     started = runner(
         state,
-        "start", "a,b", "--then", "c",
+        "start", "a,b", "--then", "c", "--commit", "abc123",
         "--command", "a=echo from-a; sleep 1",
         "--command", "b=echo from-b; exit 3",
         "--command", "c=echo from-c",
@@ -61,7 +61,9 @@ def test_groups_run_in_order_and_a_poll_packs_the_logs(tmp_path):
     assert progress(state)["suites"]["c"]["state"] in ("pending", "running", "passed")
     polled = runner(state, "poll", "--wait", "60", env={"OUT": str(out)})
     assert polled.returncode == 0, polled.stderr
-    suites = wait_ended(state)["suites"]
+    ended = wait_ended(state)
+    assert ended["commit"] == "abc123"
+    suites = ended["suites"]
     assert suites["a"]["state"] == "passed" and suites["a"]["rc"] == 0
     assert suites["b"]["state"] == "failed" and suites["b"]["rc"] == 3
     assert suites["c"]["state"] == "passed"

@@ -202,7 +202,7 @@ def start(args: argparse.Namespace) -> int:
     _write_progress(
         state,
         {
-            "commit": _commit(),
+            "commit": args.commit or _commit(),
             "started": _now(),
             "groups": groups,
             "suites": {
@@ -355,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="NAME=COMMAND",
         help="an extra suite (vLLM's environment) that the groups may name",
+    )
+    p.add_argument(
+        "--commit",
+        help="the commit the tree is (the host's copy of the tree has no .git)",
     )
     p.add_argument("--force", action="store_true")
     p.set_defaults(fn=start)
