@@ -10,6 +10,11 @@ UNIFORM_BATCH, and breakable capture runs attention inside the graph in FULL
 mode) and replayed; prefill chunks run eagerly, as vLLM runs them outside
 full graphs. ``--profile`` adds a per-stage breakdown of one eager step.
 
+Every point is measured on its own: one that fails is recorded with its error
+(and a decode step that cannot be captured is timed eagerly, saying so), the
+others still run, the records are written after each point, and the exit
+status is 1 when any point failed.
+
     python benchmarks/layer/bench_dsa_layer.py --layers fused wrapper v32 \\
         --tp-heads 96 12 --json out.json --profile
 """
@@ -17,10 +22,13 @@ full graphs. ``--profile`` adds a per-stage breakdown of one eager step.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import re
 import statistics
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +70,10 @@ def classify(names: list[str]) -> list[str]:
 
 
 def forward(bench: S.LayerBench, graph: bool) -> torch.Tensor:
-    """One step inside vLLM's forward context (FULL mode when captured)."""
+    """One step inside vLLM's forward context (FULL mode when captured), in
+    inference mode as vLLM's runner steps (grad mode would refuse the
+    ``out=`` GEMMs of MLA, whose inputs then require grad through the norms'
+    weights)."""
     from vllm.config import CUDAGraphMode, set_current_vllm_config
     from vllm.forward_context import BatchDescriptor, set_forward_context
 
@@ -70,6 +81,7 @@ def forward(bench: S.LayerBench, graph: bool) -> torch.Tensor:
     mode = CUDAGraphMode.FULL if graph else CUDAGraphMode.NONE
     desc = BatchDescriptor(num_tokens, bench.spec.batch, uniform=graph)
     with (
+        torch.inference_mode(),
         set_current_vllm_config(bench.vllm_config),
         set_forward_context(
             bench.attn_metadata,
@@ -92,23 +104,9 @@ def require_cuda() -> None:
         )
 
 
-def time_step(bench: S.LayerBench, reps: int, warmup: int = 3) -> float:
-    """Median microseconds of one step: graph replays for decode, eager
-    calls for prefill."""
-    require_cuda()
-    graph = bench.spec.mode == "decode"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            forward(bench, graph=False)
-    torch.cuda.current_stream().wait_stream(side)
-    run = lambda: forward(bench, graph=False)  # noqa: E731
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            forward(bench, graph=True)
-        run = g.replay
+def _median_us(run: Any, reps: int) -> float:
+    """Median microseconds of ``run()`` between two events on the stream."""
+    torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(True), torch.cuda.Event(True)
@@ -118,6 +116,41 @@ def time_step(bench: S.LayerBench, reps: int, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+def time_step(
+    bench: S.LayerBench, reps: int, warmup: int = 3
+) -> tuple[float, str | None]:
+    """Median microseconds of one step (graph replays for decode, eager calls
+    for prefill), and why a decode step ran eagerly (None: it replayed).
+
+    Warm-up runs the step in the mode it will be captured in, so every kernel
+    is compiled and every workspace allocated before the capture."""
+    require_cuda()
+    graph = bench.spec.mode == "decode"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            forward(bench, graph=graph)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    if not graph:
+        return _median_us(lambda: forward(bench, graph=False), reps), None
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            forward(bench, graph=True)
+        torch.cuda.synchronize()
+        for _ in range(warmup):
+            g.replay()
+        return _median_us(g.replay, reps), None
+    except Exception as e:
+        # Not capturable: an eager time is still a number, and says so.
+        reason = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+        del g
+        torch.cuda.synchronize()
+        return _median_us(lambda: forward(bench, graph=False), reps), reason
 
 
 def profile_step(bench: S.LayerBench) -> tuple[dict[str, float], list[str]]:
@@ -153,8 +186,17 @@ def specs(args: argparse.Namespace) -> list[S.Spec]:
     return out
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    require_cuda()
+def config_sizes(args: argparse.Namespace) -> tuple[int, int, int]:
+    """``max_model_len``, ``max_num_batched_tokens`` and ``max_num_seqs`` that
+    hold every point of ``args``."""
+    points = specs(args)
+    max_len = max(p.seq_len for p in points)
+    max_batched = max(max(p.num_tokens for p in points), max(args.decode_batches))
+    return max_len, max_batched, max(args.decode_batches)
+
+
+def init_runtime(cfg: Any, device: torch.device) -> None:
+    """Single-rank distributed groups and vLLM's workspace manager, once."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import (
         ensure_model_parallel_initialized,
@@ -167,41 +209,112 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         is_workspace_manager_initialized,
     )
 
-    device = torch.device("cuda")
+    with set_current_vllm_config(cfg):
+        if not model_parallel_is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            init_method = get_distributed_init_method("127.0.0.1", get_open_port())
+            init_distributed_environment(1, 0, init_method, 0, backend)
+            ensure_model_parallel_initialized(1, 1)
+        if not is_workspace_manager_initialized():
+            init_workspace_manager(device)
+
+
+def shutdown_runtime() -> None:
+    """Tear the process groups down (a live NCCL group can stall the exit)."""
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def bench_device() -> torch.device:
+    """The timing GPU, with its index (vLLM's builders read ``device.index``)."""
+    require_cuda()
+    index = torch.cuda.current_device()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def measure(
+    kind: str,
+    spec: S.Spec,
+    cfg: Any,
+    device: torch.device,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Build one point, time it (and profile it), and free it."""
+    bench = S.setup(kind, spec, cfg, device)
+    try:
+        if kind == "fused" and bench.layer._packed is None:
+            raise RuntimeError("the fused layer did not pack (see the log)")
+        median, eager_reason = S.under_env(kind, time_step, bench, args.reps)
+        out: dict[str, Any] = dict(median_us=median)
+        if spec.mode == "decode":
+            out["graph"] = eager_reason is None
+            if eager_reason is not None:
+                out["graph_error"] = eager_reason
+        if args.profile:
+            stages = S.under_env(kind, profile_step, bench)
+            out["stages_us"], out["unclassified"] = stages
+        out["backends"] = dict(bench.backends)
+        if bench.notes:
+            out["notes"] = list(bench.notes)
+        return out
+    finally:
+        del bench
+        S.release(cfg)
+        gc.collect()
+        if device.type == "cuda":
+            # After a CUDA error this raises too; the record keeps the first.
+            with contextlib.suppress(Exception):
+                torch.cuda.empty_cache()
+
+
+def _failure(e: BaseException) -> dict[str, Any]:
+    """A failed point's record fields."""
+    return dict(
+        error=f"{type(e).__name__}: {e}".splitlines()[0][:1000],
+        traceback=traceback.format_exc()[-8000:],
+    )
+
+
+def run(args: argparse.Namespace, on_record: Any = None) -> list[dict[str, Any]]:
+    """Every point of ``args``; ``on_record(records)`` after each one."""
+    device = bench_device()
     points = specs(args)
-    max_len = max(p.seq_len for p in points)
-    max_batched = max(max(p.num_tokens for p in points), max(args.decode_batches))
-    records = []
+    sizes = config_sizes(args)
+    records: list[dict[str, Any]] = []
     for heads in args.tp_heads:
         for kind in args.layers:
-            cfg = S.make_vllm_config(
-                kind, heads, HIDDEN, max_len, max_batched, max(args.decode_batches)
-            )
-            with set_current_vllm_config(cfg):
-                if not model_parallel_is_initialized():
-                    init_method = get_distributed_init_method(
-                        "127.0.0.1", get_open_port()
-                    )
-                    init_distributed_environment(1, 0, init_method, 0, "nccl")
-                    ensure_model_parallel_initialized(1, 1)
-                if not is_workspace_manager_initialized():
-                    init_workspace_manager(device)
+            cfg, cfg_error = None, None
+            try:
+                cfg = S.make_vllm_config(kind, heads, HIDDEN, *sizes)
+                init_runtime(cfg, device)
+            except Exception as e:
+                cfg_error = _failure(e)
             for spec in points:
-                bench = S.setup(kind, spec, cfg, device)
-                if kind == "fused" and bench.layer._packed is None:
-                    raise RuntimeError("the fused layer did not pack (see log)")
                 rec: dict[str, Any] = dict(
                     layer=kind, heads=heads, mode=spec.mode, batch=spec.batch,
                     context=spec.context, tokens=spec.num_tokens,
-                    median_us=S.under_env(kind, time_step, bench, args.reps),
                 )  # fmt: skip
-                if args.profile:
-                    stages = S.under_env(kind, profile_step, bench)
-                    rec["stages_us"], rec["unclassified"] = stages
-                print(json.dumps(rec), flush=True)
+                if cfg_error is not None:
+                    rec.update(cfg_error)
+                else:
+                    try:
+                        rec.update(measure(kind, spec, cfg, device, args))
+                    except Exception as e:
+                        rec.update(_failure(e))
+                        print(rec["traceback"], file=sys.stderr, flush=True)
+                print(
+                    json.dumps({k: v for k, v in rec.items() if k != "traceback"}),
+                    flush=True,
+                )
                 records.append(rec)
-                del bench
-                torch.cuda.empty_cache()
+                if on_record is not None:
+                    on_record(records)
     return records
 
 
@@ -212,6 +325,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
             "median_us"
         ]
         for r in records
+        if "median_us" in r
     }
     cols = ("heads", "mode", "B", "ctx", "T", *S.LAYERS, "x wrap", "x v32")
     print(" ".join(f"{c:>9}" for c in cols))
@@ -235,7 +349,11 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
     heads = sorted({r["heads"] for r in records})
     fig, axes = plt.subplots(1, len(heads), figsize=(6 * len(heads), 4), squeeze=False)
     for ax, h in zip(axes[0], heads, strict=True):
-        rows = [r for r in records if r["heads"] == h and r["mode"] == "decode"]
+        rows = [
+            r
+            for r in records
+            if r["heads"] == h and r["mode"] == "decode" and "median_us" in r
+        ]
         for layer, batch in sorted({(r["layer"], r["batch"]) for r in rows}):
             pts = sorted(
                 (r["context"], r["median_us"])
@@ -268,15 +386,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def write_json(path: str, records: list[dict[str, Any]]) -> None:
+    """The records so far, replaced atomically (a crash keeps the last)."""
+    out = Path(path)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(records, indent=1))
+    tmp.replace(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 when every point ran, 1 when any failed."""
     args = parse_args(argv)
-    records = run(args)
-    print_table(records)
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1))
+        # Before the run: a missing folder must not cost its results.
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    on_record = (lambda recs: write_json(args.json, recs)) if args.json else None
+    try:
+        records = run(args, on_record)
+    finally:
+        if torch.cuda.is_available():
+            try:
+                shutdown_runtime()
+            except Exception as e:  # teardown must not mask the results
+                print(f"teardown: {type(e).__name__}: {e}", file=sys.stderr)
+    print_table(records)
     if args.plot:
         plot(records, args.plot)
+    failed = [r for r in records if "error" in r]
+    for r in failed:
+        print(
+            f"FAILED {r['layer']} heads={r['heads']} {r['mode']} B={r['batch']} "
+            f"ctx={r['context']}: {r['error']}",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,9 +12,12 @@ the CPU for small shapes (the CPU test); only timing needs CUDA.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
 import tempfile
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +44,9 @@ MLA_DIMS: dict[str, Any] = dict(
     v_head_dim=128,
 )
 INDEX_HEADS, INDEX_HEAD_DIM, INDEX_TOPK = 32, 128, 2048
+# vLLM 0.33.0's DeepSeek V3.2 ``fused_q`` imports this module (which imports
+# the CuTe DSL, ``cutlass``, at module scope) on every CUDA call.
+FUSED_Q_CUTEDSL = "vllm.models.deepseek_v32.nvidia.ops.fused_q_cutedsl"
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,10 @@ class LayerBench:
     common: Any = None
     positions: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    # Cache name -> the attention backend its metadata builder belongs to.
+    backends: dict[str, str] = field(default_factory=dict)
+    # What this run did differently from a served step, for the record.
+    notes: list[str] = field(default_factory=list)
 
 
 def write_config(kind: str, heads: int, hidden: int, max_pos: int, out: Path) -> Path:
@@ -118,6 +128,10 @@ def write_config(kind: str, heads: int, hidden: int, max_pos: int, out: Path) ->
         num_attention_heads=heads,
         num_key_value_heads=heads,
         max_position_embeddings=max_pos,
+        # transformers validates the rope of hidden_size // heads when the
+        # config names no head_dim (7168 // 12 = 597 is odd and refused); MLA
+        # ropes qk_rope_head_dim dims, and vLLM sizes MLA from the MLA dims.
+        head_dim=MLA_DIMS["qk_rope_head_dim"],
         **MLA_DIMS,
     )
     return write_tiny_config(out, **overrides)
@@ -169,8 +183,44 @@ def under_env(kind: str, fn: Any, *args: Any) -> Any:
         return fn(*args)
 
 
-def build_layer(kind: str, vllm_config: Any, device: torch.device) -> Any:
-    """One attention layer with random weights, under the current config."""
+def stand_in_for_missing_cute_dsl(device: torch.device) -> bool:
+    """Let vLLM's DeepSeek V3.2 ``fused_q`` run where the CuTe DSL is missing.
+
+    On every CUDA call ``fused_q`` imports :data:`FUSED_Q_CUTEDSL` only to ask
+    whether its CuTe kernel applies; below SM100 the answer is always no and
+    its Triton kernel runs. Without ``cutlass`` that import fails instead, so
+    here a stand-in module gives the same answer and the V3.2 peer runs the
+    kernel vLLM runs on this GPU. Returns whether the stand-in is in place
+    (never on SM100+, where the CuTe kernel would run)."""
+    if device.type != "cuda":
+        return False
+    existing = sys.modules.get(FUSED_Q_CUTEDSL)
+    if existing is not None:
+        return bool(getattr(existing, "bench_stand_in", False))
+    if importlib.util.find_spec("cutlass") is not None:
+        return False
+    if torch.cuda.get_device_capability(device)[0] >= 10:
+        return False
+
+    def is_fused_q_cutedsl_supported(*args: Any, **kwargs: Any) -> bool:
+        return False
+
+    def fused_q_cutedsl(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the CuTe DSL (cutlass) is not installed")
+
+    module = types.ModuleType(FUSED_Q_CUTEDSL, "bench_dsa_layer's stand-in")
+    module.__dict__.update(
+        bench_stand_in=True,
+        is_fused_q_cutedsl_supported=is_fused_q_cutedsl_supported,
+        fused_q_cutedsl=fused_q_cutedsl,
+    )
+    sys.modules[FUSED_Q_CUTEDSL] = module
+    return True
+
+
+def _construct(kind: str, vllm_config: Any, device: torch.device) -> Any:
+    """The bare layer, as the model's constructor makes it (with the
+    model-level top-k buffer and index-group builder)."""
     text = vllm_config.model_config.hf_text_config
     if kind == "v32":
         from vllm.models.deepseek_v32.attention import DeepseekV32Attention
@@ -188,55 +238,72 @@ def build_layer(kind: str, vllm_config: Any, device: torch.device) -> Any:
         builder = SparseMLAIndexGroupBuilder(
             buffer, get_sparse_mla_index_group_max_rows(vllm_config)
         )
-        layer = DeepseekV32Attention(
+        return DeepseekV32Attention(
             vllm_config, text, V32_PREFIX, buffer, index_group_builder=builder
         )
-    else:
-        from vllm.models.kimi_k3.nvidia.dsa import KimiK3DSAAttention
-        from vllm.models.kimi_k3.nvidia.dsa_model import make_dsa_model_state
+    from vllm.models.kimi_k3.nvidia.dsa import KimiK3DSAAttention
+    from vllm.models.kimi_k3.nvidia.dsa_model import make_dsa_model_state
 
-        state = make_dsa_model_state(vllm_config)
-        assert state is not None, "not a Kimi K3.1 DSA config"
-        layer = KimiK3DSAAttention(
-            text,
-            text.hidden_size,
-            text.num_attention_heads,
-            text.qk_nope_head_dim,
-            text.qk_rope_head_dim,
-            text.v_head_dim,
-            text.q_lora_rank,
-            text.kv_lora_rank,
-            cache_config=vllm_config.cache_config,
-            prefix=KIMI_PREFIX,
-            topk_indices_buffer=state.topk_indices_buffer.to(device),
-            index_group_builder=state.index_group_builder,
-            # As Kimi K3's model: the output gate overlaps on a side stream.
-            aux_stream=torch.cuda.Stream() if device.type == "cuda" else None,
-        )
-    layer = layer.to(device=device, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for name, param in layer.named_parameters():
-            # fp32 norms keep their dtype; random, never zeros.
-            param.copy_(torch.randn_like(param, dtype=torch.float32) * 0.02)
-            if "norm" in name:
-                param.add_(1.0)
-    post_load(layer)
-    if kind != "v32":
-        layer.pack_projections()
+    state = make_dsa_model_state(vllm_config)
+    assert state is not None, "not a Kimi K3.1 DSA config"
+    # The builder holds this very buffer: a copy would split the two.
+    assert state.topk_indices_buffer.device.type == device.type
+    return KimiK3DSAAttention(
+        text,
+        text.hidden_size,
+        text.num_attention_heads,
+        text.qk_nope_head_dim,
+        text.qk_rope_head_dim,
+        text.v_head_dim,
+        text.q_lora_rank,
+        text.kv_lora_rank,
+        cache_config=vllm_config.cache_config,
+        prefix=KIMI_PREFIX,
+        topk_indices_buffer=state.topk_indices_buffer,
+        index_group_builder=state.index_group_builder,
+        # As Kimi K3's model: the output gate overlaps on a side stream.
+        aux_stream=torch.cuda.Stream() if device.type == "cuda" else None,
+    )
+
+
+def build_layer(kind: str, vllm_config: Any, device: torch.device) -> Any:
+    """One attention layer with random weights, under the current config.
+
+    Built as vLLM's loader builds a model: on the device, under the model
+    dtype as default, so that parameters and buffers made fp32 on purpose (the
+    indexer key norms, the KV scales) stay fp32; then vLLM's own post-load
+    step and, for Kimi K3.1, the packing that switches the fused forward on.
+    """
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    dtype = vllm_config.model_config.dtype
+    with set_default_torch_dtype(dtype), torch.device(device):
+        layer = _construct(kind, vllm_config, device)
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                # Random, never zeros; each parameter keeps its dtype.
+                param.copy_(torch.randn_like(param, dtype=torch.float32) * 0.02)
+                if "norm" in name:
+                    param.add_(1.0)
+        post_load(layer, vllm_config, device)
+        if kind != "v32":
+            layer.pack_projections()
     return layer
 
 
-def post_load(layer: Any) -> None:
-    """vLLM's post-load step of every submodule (``process_weights_after_
-    loading``: MLA's W_UK/W_UV split, the linears' own step)."""
-    from vllm.model_executor.layers.attention import MLAAttention
-    from vllm.model_executor.layers.linear import LinearBase
+def post_load(layer: Any, vllm_config: Any, device: torch.device) -> None:
+    """vLLM's post-load step (``process_weights_after_loading`` of the model
+    loader: every linear's quant method, then the attention layers, MLA's
+    W_UK/W_UV split among them), run on the layer in a bare container (a
+    layer is not a model: V3.2's would take the model-level hook for its
+    attention one)."""
+    from torch import nn
 
-    for module in layer.modules():
-        if isinstance(module, LinearBase):
-            module.quant_method.process_weights_after_loading(module)
-        elif isinstance(module, MLAAttention):
-            module.process_weights_after_loading(torch.bfloat16)
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    process_weights_after_loading(
+        nn.ModuleDict({"attn": layer}), vllm_config.model_config, device
+    )
 
 
 def cache_layers(layer: Any) -> dict[str, Any]:
@@ -281,14 +348,25 @@ def allocate_caches(
     bind_kv_cache_to_layers(bench.caches, ctx)
 
 
-def common_metadata(spec: Spec, device: torch.device, block_size: int = BLOCK_SIZE):
+def common_metadata(
+    spec: Spec,
+    device: torch.device,
+    block_size: int = BLOCK_SIZE,
+    max_model_len: int = 0,
+):
     """vLLM's ``CommonAttentionMetadata`` for the batch: request r owns blocks
-    ``1 + r * per_req ..``; its new tokens sit after its context."""
+    ``1 + r * per_req ..``; its new tokens sit after its context. The block
+    table is as wide as the runner's for ``max_model_len`` (zeros past a
+    request's blocks): builders size their copies of it so."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.block_table import get_block_table_width
 
     per_req = -(-spec.seq_len // block_size)
-    table = 1 + torch.arange(spec.batch * per_req, dtype=torch.int32)
-    table = table.view(spec.batch, per_req)
+    runner_width = get_block_table_width(-(-max_model_len // block_size), block_size)
+    width = max(per_req, runner_width)
+    table = torch.zeros(spec.batch, width, dtype=torch.int32)
+    blocks = 1 + torch.arange(spec.batch * per_req, dtype=torch.int32)
+    table[:, :per_req] = blocks.view(spec.batch, per_req)
     pos = spec.context + torch.arange(spec.tokens)
     slots = table[:, pos // block_size] * block_size + pos % block_size
     qsl = torch.arange(spec.batch + 1, dtype=torch.int32) * spec.tokens
@@ -312,13 +390,18 @@ def build_metadata(bench: LayerBench, device: torch.device) -> None:
     runner's ``AttentionGroup`` makes it, and the per-layer slot mappings."""
     from vllm.v1.worker.utils import AttentionGroup
 
-    common, positions = common_metadata(bench.spec, device)
+    common, positions = common_metadata(
+        bench.spec,
+        device,
+        max_model_len=bench.vllm_config.model_config.max_model_len,
+    )
     bench.common = common
     bench.positions = positions.to(device)
     for gid, (name, module) in enumerate(cache_layers(bench.layer).items()):
         spec = module.get_kv_cache_spec(bench.vllm_config)
+        backend = module.get_attn_backend()
         group = AttentionGroup(
-            backend=module.get_attn_backend(),
+            backend=backend,
             layer_names=[name],
             kv_cache_spec=spec.copy_with_new_block_size(BLOCK_SIZE),
             kv_cache_group_id=gid,
@@ -326,6 +409,7 @@ def build_metadata(bench: LayerBench, device: torch.device) -> None:
         group.create_metadata_builders(bench.vllm_config, device)
         bench.attn_metadata[name] = group.build_metadata(common)
         bench.slot_mapping[name] = common.slot_mapping
+        bench.backends[name] = backend.get_name()
 
 
 def setup(
@@ -339,11 +423,22 @@ def setup(
     from vllm.config import set_current_vllm_config
 
     vllm_config.compilation_config.static_forward_context.clear()
+    notes = []
+    if kind == "v32" and stand_in_for_missing_cute_dsl(device):
+        notes.append(f"no CuTe DSL: {FUSED_Q_CUTEDSL} stood in (Triton fused_q)")
     with set_current_vllm_config(vllm_config):
         layer = under_env(kind, build_layer, kind, vllm_config, device)
-        bench = LayerBench(layer, vllm_config, spec, kind)
+        bench = LayerBench(layer, vllm_config, spec, kind, notes=notes)
         allocate_caches(bench, device)
         under_env(kind, build_metadata, bench, device)
     hidden = vllm_config.model_config.hf_text_config.hidden_size
-    bench.hidden = torch.randn(spec.num_tokens, hidden, device=device).bfloat16()
+    bench.hidden = torch.randn(
+        spec.num_tokens, hidden, device=device, dtype=vllm_config.model_config.dtype
+    )
     return bench
+
+
+def release(vllm_config: Any) -> None:
+    """Drop the layers a setup registered in the config's forward context
+    (they hold the caches), so the next point's memory is its own."""
+    vllm_config.compilation_config.static_forward_context.clear()
