@@ -2,21 +2,27 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """One Kimi K3.1 DSA layer under vLLM on one GPU: the fused forward, the
 wrapper forward (upstream ops only) and vLLM 0.33.0's DeepSeek V3.2 sparse MLA
-layer at the same dims, in decode steps and prefill chunks.
+layer at the same dims, against plain Kimi K3's dense MLA layer (vLLM 0.33.0's
+own; ``dense-bf16`` and ``dense-fp8`` caches), in decode steps and prefill
+chunks.
 
 Decode steps are captured in a CUDA graph with the forward context's runtime
-mode FULL (vLLM's mode for uniform decode batches; FlashMLA sparse declares
-UNIFORM_BATCH, and breakable capture runs attention inside the graph in FULL
-mode) and replayed; prefill chunks run eagerly, as vLLM runs them outside
-full graphs. ``--profile`` adds a per-stage breakdown of one eager step.
+mode FULL (vLLM's mode for uniform decode batches; FlashMLA sparse, FlashMLA
+and FlashAttention MLA declare UNIFORM_BATCH, and breakable capture runs
+attention inside the graph in FULL mode) and replayed; prefill chunks run
+eagerly, as vLLM runs them outside full graphs. ``--profile`` adds a
+per-stage breakdown of one eager step.
 
 Every point is measured on its own: one that fails is recorded with its error
 (and a decode step that cannot be captured is timed eagerly, saying so), the
 others still run, the records are written after each point, and the exit
-status is 1 when any point failed.
+status is 1 when any point failed. A point vLLM itself cannot run on the
+device (dense fp8 prefill below SM100) is recorded as skipped, with why.
 
     python benchmarks/layer/bench_dsa_layer.py --layers fused wrapper v32 \\
         --tp-heads 96 12 --json out.json --profile
+    python benchmarks/layer/bench_dsa_layer.py \\
+        --layers fused dense-bf16 dense-fp8 --tp-heads 12 --json out.json
 """
 
 from __future__ import annotations
@@ -191,8 +197,9 @@ def config_sizes(args: argparse.Namespace) -> tuple[int, int, int]:
     hold every point of ``args``."""
     points = specs(args)
     max_len = max(p.seq_len for p in points)
-    max_batched = max(max(p.num_tokens for p in points), max(args.decode_batches))
-    return max_len, max_batched, max(args.decode_batches)
+    seqs = max(args.decode_batches, default=1)
+    max_batched = max(max(p.num_tokens for p in points), seqs)
+    return max_len, max_batched, seqs
 
 
 def init_runtime(cfg: Any, device: torch.device) -> None:
@@ -250,6 +257,9 @@ def measure(
     try:
         if kind == "fused" and bench.layer._packed is None:
             raise RuntimeError("the fused layer did not pack (see the log)")
+        reason = S.unsupported_reason(bench)
+        if reason is not None:
+            raise S.Unsupported(reason)
         median, eager_reason = S.under_env(kind, time_step, bench, args.reps)
         out: dict[str, Any] = dict(median_us=median)
         if spec.mode == "decode":
@@ -260,6 +270,8 @@ def measure(
             stages = S.under_env(kind, profile_step, bench)
             out["stages_us"], out["unclassified"] = stages
         out["backends"] = dict(bench.backends)
+        if kind in S.DENSE_LAYERS:
+            out.update(dense_fields(bench))
         if bench.notes:
             out["notes"] = list(bench.notes)
         return out
@@ -271,6 +283,18 @@ def measure(
             # After a CUDA error this raises too; the record keeps the first.
             with contextlib.suppress(Exception):
                 torch.cuda.empty_cache()
+
+
+def dense_fields(bench: S.LayerBench) -> dict[str, Any]:
+    """What a dense point reads, beside its time: the latent cache's bytes
+    per token (bf16 1152, fp8 576), for decode the bytes of every cached
+    token of the batch (dense MLA reads them all), and the prefill backend."""
+    (per_token,) = S.cache_bytes_per_token(bench).values()
+    out: dict[str, Any] = dict(kv_bytes_per_token=per_token)
+    if bench.spec.mode == "decode":
+        out["kv_bytes_read"] = bench.spec.batch * bench.spec.seq_len * per_token
+    out["prefill_backend"] = bench.layer.prefill_backend.get_name()
+    return out
 
 
 def _failure(e: BaseException) -> dict[str, Any]:
@@ -290,8 +314,11 @@ def run(args: argparse.Namespace, on_record: Any = None) -> list[dict[str, Any]]
     for heads in args.tp_heads:
         for kind in args.layers:
             cfg, cfg_error = None, None
+            extra: dict[str, str] = {}
+            if kind in S.DENSE_LAYERS and args.dense_backend is not None:
+                extra["attention_backend"] = args.dense_backend
             try:
-                cfg = S.make_vllm_config(kind, heads, HIDDEN, *sizes)
+                cfg = S.make_vllm_config(kind, heads, HIDDEN, *sizes, **extra)
                 init_runtime(cfg, device)
             except Exception as e:
                 cfg_error = _failure(e)
@@ -305,6 +332,8 @@ def run(args: argparse.Namespace, on_record: Any = None) -> list[dict[str, Any]]
                 else:
                     try:
                         rec.update(measure(kind, spec, cfg, device, args))
+                    except S.Unsupported as e:
+                        rec["skipped"] = str(e)
                     except Exception as e:
                         rec.update(_failure(e))
                         print(rec["traceback"], file=sys.stderr, flush=True)
@@ -319,7 +348,9 @@ def run(args: argparse.Namespace, on_record: Any = None) -> list[dict[str, Any]]
 
 
 def print_table(records: list[dict[str, Any]]) -> None:
-    """Step times per point, with fused/wrapper and fused/v32 speedups."""
+    """Step times per point, with the fused forward's speedup over each other
+    layer (its time over the fused time): the wrapper, V3.2 and, when dense
+    points were run, each dense MLA layer."""
     by = {
         (r["layer"], r["heads"], r["mode"], r["batch"], r["context"], r["tokens"]): r[
             "median_us"
@@ -327,13 +358,18 @@ def print_table(records: list[dict[str, Any]]) -> None:
         for r in records
         if "median_us" in r
     }
-    cols = ("heads", "mode", "B", "ctx", "T", *S.LAYERS, "x wrap", "x v32")
-    print(" ".join(f"{c:>9}" for c in cols))
+    ran = {r["layer"] for r in records}
+    layers = [*S.DSA_LAYERS, *(k for k in S.DENSE_LAYERS if k in ran)]
+    short = {"wrapper": "wrap", "dense-bf16": "d-bf16", "dense-fp8": "d-fp8"}
+    ratio_cols = [f"x {short.get(k, k)}" for k in layers[1:]]
+    cols = ("heads", "mode", "B", "ctx", "T", *layers, *ratio_cols)
+    width = max(9, *(len(c) for c in cols))
+    print(" ".join(f"{c:>{width}}" for c in cols))
     for key in sorted({k[1:] for k in by}):
-        t = [by.get((layer, *key)) for layer in S.LAYERS]
+        t = [by.get((layer, *key)) for layer in layers]
         ratios = [f"{o / t[0]:.2f}" if o and t[0] else "-" for o in t[1:]]
         cells = [*key, *(f"{x:.1f}" if x else "-" for x in t), *ratios]
-        print(" ".join(f"{c:>9}" for c in cells))
+        print(" ".join(f"{c:>{width}}" for c in cells))
 
 
 def plot(records: list[dict[str, Any]], path: str) -> None:
@@ -364,6 +400,7 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
                 [p[0] for p in pts],
                 [p[1] for p in pts],
                 marker="o",
+                linestyle="--" if layer in S.DENSE_LAYERS else "-",
                 label=f"{layer} B={batch}",
             )
         ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode step (us)")
@@ -374,16 +411,25 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", nargs="+", choices=S.LAYERS, default=list(S.LAYERS))
+    p.add_argument("--layers", nargs="+", choices=S.LAYERS, default=list(S.DSA_LAYERS))
     p.add_argument("--tp-heads", nargs="+", type=int, default=[96, 12])
-    p.add_argument("--decode-batches", nargs="+", type=int, default=[1, 8, 64, 256])
+    # Either list may be given empty (a decode-only or prefill-only grid).
+    p.add_argument("--decode-batches", nargs="*", type=int, default=[1, 8, 64, 256])
     p.add_argument("--contexts", nargs="+", type=int, default=[4096, 32768, 131072])
-    p.add_argument("--prefill-chunks", nargs="+", type=int, default=[1024, 4096, 8192])
+    p.add_argument("--prefill-chunks", nargs="*", type=int, default=[1024, 4096, 8192])
+    p.add_argument(
+        "--dense-backend",
+        help="attention backend of the dense kinds (vLLM's --attention-backend, "
+        "e.g. FLASHMLA); default: the one vLLM selects, as when serving",
+    )
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", help="write the records here")
     p.add_argument("--plot", help="write a decode plot here (needs matplotlib)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.decode_batches and not args.prefill_chunks:
+        p.error("no points: give --decode-batches or --prefill-chunks")
+    return args
 
 
 def write_json(path: str, records: list[dict[str, Any]]) -> None:
@@ -395,7 +441,8 @@ def write_json(path: str, records: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 when every point ran, 1 when any failed."""
+    """Exit status: 0 when every point ran or was skipped (vLLM cannot run it
+    on this device), 1 when any failed."""
     args = parse_args(argv)
     if args.json:
         # Before the run: a missing folder must not cost its results.
@@ -412,6 +459,13 @@ def main(argv: list[str] | None = None) -> int:
     print_table(records)
     if args.plot:
         plot(records, args.plot)
+    for r in records:
+        if "skipped" in r:
+            print(
+                f"SKIPPED {r['layer']} heads={r['heads']} {r['mode']} "
+                f"B={r['batch']} ctx={r['context']}: {r['skipped']}",
+                file=sys.stderr,
+            )
     failed = [r for r in records if "error" in r]
     for r in failed:
         print(

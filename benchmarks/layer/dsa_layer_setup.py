@@ -2,8 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Setup path of the DSA layer benchmark: everything up to the first forward.
 
-One attention layer (Kimi K3.1 DSA, fused or wrapper forward, or vLLM
-0.33.0's DeepSeek V3.2 attention at the same dims) is built from a real
+One attention layer (Kimi K3.1 DSA, fused or wrapper forward; vLLM 0.33.0's
+DeepSeek V3.2 attention at the same dims; or plain Kimi K3's dense MLA layer,
+vLLM 0.33.0's own, with a bf16 or an fp8 cache) is built from a real
 ``VllmConfig`` (``EngineArgs.create_engine_config`` on a written
 ``config.json``), bound to real caches and given metadata from the backends'
 own builders, so the timed forward runs what a served step runs. It runs on
@@ -26,7 +27,24 @@ from typing import Any
 
 import torch
 
-LAYERS = ("fused", "wrapper", "v32")
+# Sparse layers: Kimi K3.1 DSA (our fused forward, or the wrapper of upstream
+# ops) and vLLM 0.33.0's DeepSeek V3.2 peer.
+DSA_LAYERS = ("fused", "wrapper", "v32")
+KIMI_DSA_LAYERS = ("fused", "wrapper")
+# Plain Kimi K3 (no ``dsa_config``): vLLM 0.33.0's full-attention MLA layer,
+# which reads its whole latent cache; the baseline DSA exists to beat.
+DENSE_LAYERS = ("dense-bf16", "dense-fp8")
+LAYERS = (*DSA_LAYERS, *DENSE_LAYERS)
+# ``--kv-cache-dtype`` of each kind: sparse MLA reads only fp8_ds_mla (656
+# B/token); dense MLA keeps the latent in the model dtype ("auto": bf16, 1152
+# B/token) or in per-tensor fp8 e4m3 ("fp8": 576 B/token, one scale).
+KV_CACHE_DTYPES = {
+    "fused": "fp8_ds_mla",
+    "wrapper": "fp8_ds_mla",
+    "v32": "fp8_ds_mla",
+    "dense-bf16": "auto",
+    "dense-fp8": "fp8",
+}
 # FlashMLA sparse and DeepGEMM's paged indexer read 64-token pages; a block of
 # one page keeps manager and kernel blocks equal for both caches (see
 # docs/benchmarks.md, "Layer benchmark").
@@ -47,6 +65,11 @@ INDEX_HEADS, INDEX_HEAD_DIM, INDEX_TOPK = 32, 128, 2048
 # vLLM 0.33.0's DeepSeek V3.2 ``fused_q`` imports this module (which imports
 # the CuTe DSL, ``cutlass``, at module scope) on every CUDA call.
 FUSED_Q_CUTEDSL = "vllm.models.deepseek_v32.nvidia.ops.fused_q_cutedsl"
+
+
+class Unsupported(RuntimeError):
+    """A point vLLM 0.33.0 itself cannot run on this device: recorded as
+    skipped, with the reason, not as a failure of the benchmark."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +145,9 @@ def write_config(kind: str, heads: int, hidden: int, max_pos: int, out: Path) ->
         write_tiny_config,
     )
 
-    overrides = real_attention_overrides()
+    # The dense kinds are the same model without ``dsa_config``: plain Kimi K3.
+    dsa = kind not in DENSE_LAYERS
+    overrides = real_attention_overrides(dsa=dsa)
     overrides.update(
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -134,26 +159,42 @@ def write_config(kind: str, heads: int, hidden: int, max_pos: int, out: Path) ->
         head_dim=MLA_DIMS["qk_rope_head_dim"],
         **MLA_DIMS,
     )
-    return write_tiny_config(out, **overrides)
+    return write_tiny_config(out, dsa=dsa, **overrides)
 
 
 def make_vllm_config(
-    kind: str, heads: int, hidden: int, max_model_len: int, max_batched: int, seqs: int
+    kind: str,
+    heads: int,
+    hidden: int,
+    max_model_len: int,
+    max_batched: int,
+    seqs: int,
+    attention_backend: str | None = None,
 ) -> Any:
-    """vLLM's own configuration path (verifiers, plugins) for the layer."""
+    """vLLM's own configuration path (verifiers, plugins) for the layer.
+
+    ``attention_backend`` (``--attention-backend``, dense kinds only) pins
+    the dense layer's backend; without it vLLM selects, as it does when
+    serving."""
     from vllm.engine.arg_utils import EngineArgs
 
+    extra: dict[str, Any] = {}
+    if attention_backend is not None:
+        if kind not in DENSE_LAYERS:
+            raise ValueError(f"{kind!r} takes no attention backend of choice")
+        extra["attention_backend"] = attention_backend
     path = write_config(
         kind, heads, hidden, max_model_len, Path(tempfile.mkdtemp()) / kind
     )
     return EngineArgs(
         model=str(path),
-        kv_cache_dtype="fp8_ds_mla",
+        kv_cache_dtype=KV_CACHE_DTYPES[kind],
         enable_prefix_caching=False,
         max_model_len=max_model_len,
         max_num_batched_tokens=max_batched,
         max_num_seqs=seqs,
         skip_tokenizer_init=True,
+        **extra,
     ).create_engine_config()
 
 
@@ -175,9 +216,10 @@ def force_wrapper(on: bool) -> Iterator[None]:
 
 
 def under_env(kind: str, fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` with the wrapper switch of ``kind`` set (the Kimi layers
-    read it when built; the whole setup and every timed step see it)."""
-    if kind == "v32":
+    """``fn(*args)`` with the wrapper switch of ``kind`` set (the Kimi K3.1
+    layers read it when built; the whole setup and every timed step see
+    it). The other kinds never read it."""
+    if kind not in KIMI_DSA_LAYERS:
         return fn(*args)
     with force_wrapper(kind == "wrapper"):
         return fn(*args)
@@ -222,6 +264,8 @@ def _construct(kind: str, vllm_config: Any, device: torch.device) -> Any:
     """The bare layer, as the model's constructor makes it (with the
     model-level top-k buffer and index-group builder)."""
     text = vllm_config.model_config.hf_text_config
+    if kind in DENSE_LAYERS:
+        return _construct_dense(text, vllm_config, device)
     if kind == "v32":
         from vllm.models.deepseek_v32.attention import DeepseekV32Attention
         from vllm.v1.attention.backends.mla.index_group import (
@@ -266,6 +310,31 @@ def _construct(kind: str, vllm_config: Any, device: torch.device) -> Any:
     )
 
 
+def _construct_dense(text: Any, vllm_config: Any, device: torch.device) -> Any:
+    """Plain Kimi K3's full-attention layer with the arguments its decoder
+    layer (``KimiDecoderLayer``) passes: NoPE MLA with the output gate, the
+    model-level side stream, no GEMM + all-reduce fusion (TP 1)."""
+    from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
+
+    assert getattr(text, "dsa_config", None) is None, "a Kimi K3.1 DSA config"
+    return MultiHeadLatentAttention(
+        config=text,
+        hidden_size=text.hidden_size,
+        num_heads=text.num_attention_heads,
+        qk_nope_head_dim=text.qk_nope_head_dim,
+        qk_rope_head_dim=text.qk_rope_head_dim,
+        v_head_dim=text.v_head_dim,
+        q_lora_rank=text.q_lora_rank,
+        kv_lora_rank=text.kv_lora_rank,
+        use_output_gate=bool(text.mla_use_output_gate),
+        cache_config=vllm_config.cache_config,
+        quant_config=vllm_config.quant_config,
+        prefix=KIMI_PREFIX,
+        aux_stream=torch.cuda.Stream() if device.type == "cuda" else None,
+        run_gemm_rs_ar=False,
+    )
+
+
 def build_layer(kind: str, vllm_config: Any, device: torch.device) -> Any:
     """One attention layer with random weights, under the current config.
 
@@ -286,7 +355,7 @@ def build_layer(kind: str, vllm_config: Any, device: torch.device) -> Any:
                 if "norm" in name:
                     param.add_(1.0)
         post_load(layer, vllm_config, device)
-        if kind != "v32":
+        if kind in KIMI_DSA_LAYERS:
             layer.pack_projections()
     return layer
 
@@ -308,12 +377,28 @@ def post_load(layer: Any, vllm_config: Any, device: torch.device) -> None:
 
 def cache_layers(layer: Any) -> dict[str, Any]:
     """The layer's cache-owning modules by their forward-context name: the MLA
-    attention and the indexer key cache."""
+    attention and the indexer key cache (dense MLA: the layer alone)."""
     if hasattr(layer, "mla_attn"):  # Kimi K3.1: the wrapper's MLAAttention
         mla, index_cache = layer.mla_attn.mla_attn, layer.dsa_indexer.k_cache
-    else:  # DeepSeek V3.2: the layer is the MLAAttention
+    elif hasattr(layer, "indexer"):  # DeepSeek V3.2: the layer is the MLAAttention
         mla, index_cache = layer, layer.indexer.k_cache
+    else:  # Kimi K3: the layer is the attention layer and owns its one cache
+        return {layer.layer_name: layer}
     return {mla.layer_name: mla, index_cache.prefix: index_cache}
+
+
+def cache_bytes_per_token(bench: LayerBench) -> dict[str, int]:
+    """Bytes each cache stores per token, from its spec (what a decode step
+    of an attention that reads every cached token reads per token)."""
+    from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
+
+    out = {}
+    for name, module in cache_layers(bench.layer).items():
+        spec = module.get_kv_cache_spec(bench.vllm_config)
+        spec = spec.copy_with_new_block_size(BLOCK_SIZE)
+        _, heads, tokens, entry = compute_layer_kv_cache_shape_bytes(spec, 1)
+        out[name] = heads * entry * tokens // BLOCK_SIZE
+    return out
 
 
 def blocks_for(spec: Spec, block_size: int = BLOCK_SIZE) -> int:
@@ -324,17 +409,21 @@ def blocks_for(spec: Spec, block_size: int = BLOCK_SIZE) -> int:
 def allocate_caches(
     bench: LayerBench, device: torch.device, block_size: int = BLOCK_SIZE
 ) -> None:
-    """Each cache at its spec's bytes per token, filled with random bytes, and
-    bound as the runner binds (``bind_kv_cache_to_layers``)."""
+    """Each cache at its spec's bytes per token, filled with random bytes (a
+    bf16 latent with normal values), viewed in the spec's dtype and bound as
+    the runner views and binds them (``create_kv_cache_views``,
+    ``bind_kv_cache_to_layers``)."""
     from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
     from vllm.v1.worker.utils import bind_kv_cache_to_layers
 
     num_blocks = blocks_for(bench.spec, block_size)
     ctx = bench.vllm_config.compilation_config.static_forward_context
+    cache_dtype = bench.vllm_config.cache_config.cache_dtype
     for name, module in cache_layers(bench.layer).items():
         spec = module.get_kv_cache_spec(bench.vllm_config)
         spec = spec.copy_with_new_block_size(block_size)
         shape = compute_layer_kv_cache_shape_bytes(spec, num_blocks)
+        dtype = getattr(spec, "dtype", None)
         # Bytes below 0x78: finite fp8 e4m3 and bf16 values (no NaN codes).
         cache = torch.randint(0, 0x78, shape, dtype=torch.uint8, device=device)
         # fp32 power-of-two scales, as the writers store them: 1.0.
@@ -342,9 +431,13 @@ def allocate_caches(
             cache.view(num_blocks, -1)[:, block_size * 128 :].view(torch.float32).fill_(
                 1.0
             )
-        else:  # fp8_ds_mla: 512 values, then 4 fp32 scales, then bf16 rope
+        elif cache_dtype == "fp8_ds_mla":  # 512 values, 4 fp32 scales, bf16 rope
             cache.view(-1, shape[-1])[:, 512:528].view(torch.float32).fill_(1.0)
-        bench.caches[name] = cache
+        elif dtype is not None and dtype.is_floating_point and dtype.itemsize > 1:
+            # Dense bf16 latent: random high bytes would make huge values.
+            cache.view(dtype).normal_()
+        # Dense fp8: e4m3 bytes below 0x78 are finite; the scale is 1.0.
+        bench.caches[name] = cache if dtype is None else cache.view(dtype)
     bind_kv_cache_to_layers(bench.caches, ctx)
 
 
@@ -436,6 +529,32 @@ def setup(
         spec.num_tokens, hidden, device=device, dtype=vllm_config.model_config.dtype
     )
     return bench
+
+
+def unsupported_reason(bench: LayerBench) -> str | None:
+    """Why vLLM 0.33.0 cannot run this point on this device, or None.
+
+    Kimi K3's MLA prefills from a plain fp8 cache only with an fp8 prefill
+    query (``_forward_prefill_fused`` asserts it), and the MLA metadata
+    builders quantize the query only on SM100 with an fp8-capable prefill
+    backend (``determine_prefill_query_data_type``). Elsewhere a served
+    model's first prefill fails that assert; here the point says why."""
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import is_quantized_kv_cache
+
+    if bench.kind not in DENSE_LAYERS:
+        return None
+    cache_dtype = bench.layer.kv_cache_dtype
+    if not is_quantized_kv_cache(cache_dtype) or cache_dtype == "fp8_ds_mla":
+        return None
+    prefill = bench.attn_metadata[bench.layer.layer_name].prefill
+    if prefill is None or prefill.q_data_type == current_platform.fp8_dtype():
+        return None
+    return (
+        f"vLLM 0.33.0's Kimi K3 MLA cannot prefill from a {cache_dtype!r} cache "
+        f"with a {prefill.q_data_type} prefill query (it needs fp8: SM100 with "
+        "an fp8 prefill backend and use_prefill_query_quantization)"
+    )
 
 
 def release(vllm_config: Any) -> None:

@@ -2,22 +2,30 @@
 """The DSA layer benchmark's setup path on the CPU, for a small shape (4 heads
 over hidden 256; the MLA, indexer and top-k dims real) and for the points of
 the GPU command at their real dims, the classifier of its per-stage
-breakdown, its refusal to time without CUDA, and its run loop (every point
-recorded, failures included; JSON into a new folder; exit status).
+breakdown, its refusal to time without CUDA, its run loop (every point
+recorded, failures included, points vLLM cannot run skipped; JSON into a new
+folder; exit status) and its table.
 
-Real: vLLM's configuration path (both models' configs), the layer classes
-(``KimiK3DSAAttention`` fused and wrapper, ``DeepseekV32Attention``), cache
-specs and binding, the ``AttentionGroup`` builders. Stubbed, because a CPU
-cannot do it:
+Real: vLLM's configuration path (the three models' configs: Kimi K3.1, V3.2
+and plain Kimi K3), the layer classes (``KimiK3DSAAttention`` fused and
+wrapper, ``DeepseekV32Attention``, Kimi K3's ``MultiHeadLatentAttention``),
+cache specs, views and binding, the ``AttentionGroup`` builders. Stubbed,
+because a CPU cannot do it:
 
 * the sparse-MLA backend selection (vLLM's CPU selector refuses sparse MLA):
   it answers ``FlashMLASparseBackend``, as the CUDA platform does;
+* the dense-MLA backend selection: vLLM's CUDA platform selector answers it,
+  its SM90 priorities and every backend's own checks run for real, with
+  FlashAttention 3 and FlashMLA (built into the wheel, unloadable here)
+  declared present, as on the H200; the FlashAttention entry points that
+  ``fa_utils`` binds only on CUDA are placeholders, never called;
 * ``vllm._kimi_k3_C`` is declared available (whether or not this machine
   built it), so the fused variant packs as on the GPU;
 * the Triton launches (a placeholder on vLLM's CPU platform): the
   token-to-request map and the indexer slot kernel, by torch equivalents;
-* FlashMLA's scheduler metadata and the V3.2 indexer builder's DeepGEMM
-  planning (CUDA): a placeholder, and the common metadata passed through.
+* FlashMLA's scheduler metadata (sparse and dense) and the V3.2 indexer
+  builder's DeepGEMM planning (CUDA): placeholders, and the common metadata
+  passed through.
 """
 
 from __future__ import annotations
@@ -45,10 +53,22 @@ HEADS, HIDDEN, CPU = 4, 256, torch.device("cpu")
 # FlashMLA sparse runs up to 256 new tokens a request as decodes (MQA): the
 # prefill chunk is longer.
 SPECS = [S.Spec("decode", 3, 300, 1), S.Spec("prefill", 1, 200, 300)]
+# FlashAttention MLA runs up to 512 new tokens a request as decodes.
+DENSE_SPECS = [S.Spec("decode", 3, 300, 1), S.Spec("prefill", 1, 200, 600)]
 # The GPU sitting's command (its --json apart).
 COMMAND = [
     "--layers", "fused", "wrapper", "v32", "--tp-heads", "12",
     "--decode-batches", "1", "--contexts", "4096", "--prefill-chunks", "1024",
+]  # fmt: skip
+DENSE_COMMAND = [
+    "--layers", "dense-bf16", "dense-fp8", "--tp-heads", "12",
+    "--decode-batches", "1", "--contexts", "4096", "--prefill-chunks", "1024",
+]  # fmt: skip
+# The first dense-vs-DSA decode grid (docs/benchmarks.md, its --json apart).
+DECODE_GRID = [
+    "--layers", "fused", "dense-bf16", "dense-fp8", "--tp-heads", "12",
+    "--decode-batches", "1", "8", "64", "256",
+    "--contexts", "4096", "32768", "131072", "--prefill-chunks", "--reps", "30",
 ]  # fmt: skip
 
 
@@ -66,7 +86,13 @@ def configs():
         is_workspace_manager_initialized,
     )
 
-    cfgs = {k: S.make_vllm_config(k, HEADS, HIDDEN, 2048, 512, 8) for k in S.LAYERS}
+    cfgs = {k: S.make_vllm_config(k, HEADS, HIDDEN, 2048, 512, 8) for k in S.DSA_LAYERS}
+    cfgs.update(
+        (k, S.make_vllm_config(k, HEADS, HIDDEN, 2048, 1024, 8)) for k in S.DENSE_LAYERS
+    )
+    cfgs["dense-bf16-flashmla"] = S.make_vllm_config(
+        "dense-bf16", HEADS, HIDDEN, 2048, 1024, 8, attention_backend="FLASHMLA"
+    )
     with set_current_vllm_config(cfgs["fused"]):
         if not model_parallel_is_initialized():
             init = tempfile.mkstemp(prefix="bench_dsa_gloo_")[1]
@@ -137,8 +163,68 @@ def _expected_slots(spec: S.Spec) -> list[int]:
     return slots
 
 
+@pytest.fixture
+def h200_dense(monkeypatch):
+    """Dense MLA's backend chosen by vLLM's CUDA selector as on an H200
+    (SM90, FlashAttention 3 and FlashMLA present), and FlashMLA's CUDA
+    scheduler metadata replaced by placeholders."""
+    import vllm.models.kimi_k3.nvidia.mla as k3_mla
+    import vllm.platforms as platforms
+    import vllm.v1.attention.backends.fa_utils as fa_utils
+    import vllm.v1.attention.ops.flashmla as flashmla_ops
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention import selector
+
+    def cuda_only(*args, **kwargs):
+        raise RuntimeError("a CUDA kernel")
+
+    # Bound by fa_utils only on CUDA; flashattn_mla imports them.
+    monkeypatch.setattr(fa_utils, "flash_attn_varlen_func", cuda_only, raising=False)
+    monkeypatch.setattr(fa_utils, "get_scheduler_metadata", cuda_only, raising=False)
+    # cuda.py loads vLLM's CUDA op library (it needs libcuda) when imported.
+    # Both modules stay imported; on a CPU nothing else selects them.
+    stub_lib = types.ModuleType("vllm._C_stable_libtorch")
+    monkeypatch.setitem(sys.modules, "vllm._C_stable_libtorch", stub_lib)
+    import vllm.platforms.cuda as cuda_platform
+    import vllm.v1.attention.backends.mla.flashattn_mla as fa_mla
+    import vllm.v1.attention.backends.mla.flashmla as flashmla
+
+    class H200(cuda_platform.CudaPlatform):
+        @classmethod
+        def get_device_capability(cls, device_id=0):
+            return DeviceCapability(9, 0)
+
+    def present():
+        return True, None
+
+    monkeypatch.setattr(fa_mla, "flash_attn_supports_mla", lambda: True)
+    monkeypatch.setattr(flashmla_ops, "is_flashmla_dense_supported", present)
+    monkeypatch.setattr(flashmla, "is_flashmla_dense_supported", present)
+    real = k3_mla.get_attn_backend
+
+    def select_on_h200(*args, **kwargs):
+        selector._cached_get_attn_backend.cache_clear()
+        try:
+            with monkeypatch.context() as m:
+                m.setattr(platforms, "_current_platform", H200())
+                return real(*args, **kwargs)
+        finally:
+            selector._cached_get_attn_backend.cache_clear()
+
+    monkeypatch.setattr(k3_mla, "get_attn_backend", select_on_h200)
+    monkeypatch.setattr(
+        flashmla, "get_mla_metadata", lambda *a, **k: (types.SimpleNamespace(), None)
+    )
+
+    def dense_fp8_metadata(seq_lens, q_tokens_per_head_k, heads_k):
+        splits = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+        return torch.zeros(4, 8, dtype=torch.int32), splits
+
+    monkeypatch.setattr(flashmla, "get_mla_metadata_dense_fp8", dense_fp8_metadata)
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.mode)
-@pytest.mark.parametrize("kind", S.LAYERS)
+@pytest.mark.parametrize("kind", S.DSA_LAYERS)
 def test_setup_builds_what_was_asked(configs, cpu_stubs, kind, spec):
     bench = S.setup(kind, spec, configs[kind], CPU)
     layer = bench.layer
@@ -172,6 +258,7 @@ def test_setup_builds_what_was_asked(configs, cpu_stubs, kind, spec):
         cache = bench.caches[name]
         entry = 132 if name.endswith("k_cache") else 656
         assert cache.shape == (blocks, 1, S.BLOCK_SIZE, entry)
+        assert cache.dtype == torch.uint8  # the specs' dtype: bound as bytes
         # Bound through the layer's own bind_kv_cache (MLA drops the head axis).
         bound = module.kv_cache
         assert (bound.data_ptr(), bound.numel()) == (cache.data_ptr(), cache.numel())
@@ -219,7 +306,7 @@ def _check_dtypes_and_device(kind: str, layer, device: torch.device) -> None:
     assert all(t.device.type == device.type for t in tensors)
 
 
-@pytest.mark.parametrize("kind", S.LAYERS)
+@pytest.mark.parametrize("kind", S.DSA_LAYERS)
 def test_command_points_build_at_real_dims(configs, cpu_stubs, kind):
     """Every point of the GPU command, set up at its real dims (hidden 7168,
     12 heads: a head count whose hidden_size // heads is odd)."""
@@ -244,6 +331,176 @@ def test_command_points_build_at_real_dims(configs, cpu_stubs, kind):
         del bench, layer
         S.release(cfg)
     assert not cfg.compilation_config.static_forward_context
+
+
+# What vLLM 0.33.0's CUDA selector gives Kimi K3's dense MLA on SM90: FA3's
+# MLA ranks first and takes a bf16 cache only; FlashMLA takes fp8.
+H200_DENSE_BACKENDS = {
+    "dense-bf16": "FLASH_ATTN_MLA",
+    "dense-fp8": "FLASHMLA",
+    "dense-bf16-flashmla": "FLASHMLA",  # --dense-backend FLASHMLA
+}
+# Per token: 512 + 64 latent values, bf16 or fp8 e4m3 (one per-tensor scale).
+DENSE_BYTES_PER_TOKEN = {"dense-bf16": 1152, "dense-fp8": 576}
+
+
+def _check_dense_dtypes_and_device(layer, device: torch.device) -> None:
+    """bf16 weights and absorbed W_UK_T / W_UV, the fp32 KV scales at 1.0
+    (vLLM's default after loading), nothing off the device."""
+    assert layer._k_scale.dtype == layer._q_scale.dtype == torch.float32
+    assert float(layer._k_scale) == float(layer._k_scale_inv) == 1.0
+    assert layer.fused_qkv_a_g_proj.weight.dtype == torch.bfloat16
+    assert layer.q_b_proj.weight.dtype == layer.o_proj.weight.dtype == torch.bfloat16
+    assert layer.W_UK_T.dtype == layer.W_UV.dtype == torch.bfloat16
+    heads = layer.num_local_heads
+    assert layer.W_UK_T.shape == (heads, 128, 512)
+    assert layer.W_UV.shape == (heads, 512, 128)
+    tensors = [*layer.parameters(), *layer.buffers()]
+    assert all(t.device.type == device.type for t in tensors)
+
+
+@pytest.mark.parametrize("spec", DENSE_SPECS, ids=lambda s: s.mode)
+@pytest.mark.parametrize("name", H200_DENSE_BACKENDS)
+def test_dense_setup_builds_kimi_k3_mla(configs, h200_dense, name, spec):
+    """Plain Kimi K3's MLA layer as vLLM builds it, with its cache at the
+    format's bytes per token, bound as the runner binds it, and metadata from
+    the builder of the backend vLLM picks on an H200."""
+    from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
+
+    kind = name.removesuffix("-flashmla")
+    cfg = configs[name]
+    assert cfg.model_config.hf_text_config.dsa_config is None
+    bench = S.setup(kind, spec, cfg, CPU)
+    layer = bench.layer
+    assert type(layer) is MultiHeadLatentAttention
+    assert layer.num_local_heads == HEADS and layer.q_lora_rank == 1536
+    assert layer.kv_lora_rank == 512 and layer.qk_rope_head_dim == 64
+    # Kimi K3's layer: NoPE, the output gate inside the fused input projection.
+    assert layer.rotary_emb is None and layer.use_output_gate
+    assert layer.fused_qkv_a_g_proj is not None and layer.fused_qkv_a_proj is None
+    assert layer.kv_cache_dtype == S.KV_CACHE_DTYPES[kind]
+    assert all(p.float().abs().sum() > 0 for p in layer.parameters())
+    _check_dense_dtypes_and_device(layer, CPU)
+    backend = H200_DENSE_BACKENDS[name]
+    assert bench.backends == {layer.layer_name: backend}
+    assert layer.impl.__class__.__name__.upper().startswith(
+        "FLASHATTNMLA" if backend == "FLASH_ATTN_MLA" else "FLASHMLA"
+    )
+
+    # One cache, as the runner views and binds it (MLA drops the head axis).
+    per_token = DENSE_BYTES_PER_TOKEN[kind]
+    assert S.cache_bytes_per_token(bench) == {layer.layer_name: per_token}
+    ((cache_name, cache),) = bench.caches.items()
+    assert cache_name == layer.layer_name == S.KIMI_PREFIX
+    assert cache.shape == (S.blocks_for(spec), 1, S.BLOCK_SIZE, 576)
+    assert cache.nbytes == S.blocks_for(spec) * S.BLOCK_SIZE * per_token
+    if kind == "dense-bf16":
+        assert cache.dtype == torch.bfloat16
+        assert bool(torch.isfinite(cache).all())
+        assert 0.9 < float(cache.float().std()) < 1.1
+    else:  # stored as bytes; the layer reads them as e4m3
+        assert cache.dtype == torch.uint8
+        assert bool(torch.isfinite(cache.view(torch.float8_e4m3fn).float()).all())
+    bound = layer.kv_cache
+    assert bound.data_ptr() == cache.data_ptr()
+    assert bound.shape == (S.blocks_for(spec), S.BLOCK_SIZE, 576)
+
+    # Metadata: the batch's slots and lengths, decode or prefill as asked.
+    md = bench.attn_metadata[layer.layer_name]
+    assert bench.slot_mapping[layer.layer_name].tolist() == _expected_slots(spec)
+    assert (md.num_actual_tokens, md.max_seq_len) == (spec.num_tokens, spec.seq_len)
+    decode = spec.mode == "decode"
+    assert (md.num_decodes, md.num_prefills) == ((spec.batch, 0) if decode else (0, 1))
+    if decode:
+        assert md.decode.seq_lens.tolist() == [spec.seq_len] * spec.batch
+        assert md.prefill is None
+    else:  # the context is read back in chunks, the new tokens prefilled
+        assert md.decode is None and md.prefill.max_query_len == spec.tokens
+        assert md.prefill.chunked_context.context_lens_list == [spec.context]
+    assert bench.hidden.shape == (spec.num_tokens, HIDDEN)
+
+    fields = B.dense_fields(bench)
+    assert fields["kv_bytes_per_token"] == per_token
+    assert fields["prefill_backend"] == layer.prefill_backend.get_name()
+    if decode:
+        assert fields["kv_bytes_read"] == spec.batch * spec.seq_len * per_token
+    else:
+        assert "kv_bytes_read" not in fields
+    refused = kind == "dense-fp8" and not decode
+    reason = S.unsupported_reason(bench)
+    del bench, layer, bound, cache
+    # The whole point through measure(): refused before timing, or timed
+    # (which needs CUDA); the forward context is released either way.
+    args = B.parse_args([])
+    if refused:
+        assert "cannot prefill from a 'fp8' cache" in reason
+        with pytest.raises(S.Unsupported, match="fp8 prefill backend"):
+            B.measure(kind, spec, cfg, CPU, args)
+    else:
+        assert reason is None
+        with pytest.raises(RuntimeError, match="no CUDA device is visible"):
+            B.measure(kind, spec, cfg, CPU, args)
+    assert not cfg.compilation_config.static_forward_context
+
+
+def test_dense_needs_its_own_config(configs):
+    """The dense kinds are plain Kimi K3 with their cache dtype; a sparse kind
+    refuses a backend of choice; each DSA kind keeps fp8_ds_mla."""
+    assert configs["dense-bf16"].cache_config.cache_dtype == "auto"
+    assert configs["dense-fp8"].cache_config.cache_dtype == "fp8"
+    backend = configs["dense-bf16-flashmla"].attention_config.backend
+    assert backend is not None and backend.name == "FLASHMLA"
+    assert configs["dense-bf16"].attention_config.backend is None
+    for kind in S.DSA_LAYERS:
+        assert configs[kind].cache_config.cache_dtype == "fp8_ds_mla"
+        assert configs[kind].attention_config.backend is None
+    with pytest.raises(ValueError, match="no attention backend of choice"):
+        S.make_vllm_config("fused", HEADS, HIDDEN, 2048, 512, 8, "FLASHMLA")
+
+
+@pytest.mark.parametrize("kind", S.DENSE_LAYERS)
+def test_dense_command_points_build_at_real_dims(h200_dense, kind):
+    """The dense points of a 12-head command, set up at the real dims."""
+    args = B.parse_args(DENSE_COMMAND)
+    points = B.specs(args)
+    assert points == [S.Spec("decode", 1, 4096, 1), S.Spec("prefill", 1, 4096, 1024)]
+    cfg = S.make_vllm_config(kind, 12, B.HIDDEN, *B.config_sizes(args))
+    for spec in points:
+        bench = S.setup(kind, spec, cfg, CPU)
+        layer = bench.layer
+        assert layer.num_local_heads == 12
+        _check_dense_dtypes_and_device(layer, CPU)
+        assert bench.backends == {S.KIMI_PREFIX: H200_DENSE_BACKENDS[kind]}
+        assert bench.positions.tolist() == list(range(4096, spec.seq_len))
+        assert bench.hidden.shape == (spec.num_tokens, B.HIDDEN)
+        (cache,) = bench.caches.values()
+        assert cache.shape[0] == S.blocks_for(spec)
+        refused = kind == "dense-fp8" and spec.mode == "prefill"
+        assert (S.unsupported_reason(bench) is not None) == refused
+        del bench, layer, cache
+        S.release(cfg)
+    assert not cfg.compilation_config.static_forward_context
+
+
+def test_cli_defaults_and_grids():
+    """The default kinds are the DSA ones; either point list may be empty
+    (not both); the decode grid of docs/benchmarks.md."""
+    args = B.parse_args([])
+    assert args.layers == list(S.DSA_LAYERS) == ["fused", "wrapper", "v32"]
+    assert args.dense_backend is None
+    assert (args.decode_batches, args.prefill_chunks) == (
+        [1, 8, 64, 256],
+        [1024, 4096, 8192],
+    )
+    with pytest.raises(SystemExit):
+        B.parse_args(["--decode-batches", "--prefill-chunks"])
+    grid = B.parse_args(DECODE_GRID)
+    assert grid.layers == ["fused", "dense-bf16", "dense-fp8"]
+    points = B.specs(grid)
+    assert len(points) == 12 and {p.mode for p in points} == {"decode"}
+    assert B.config_sizes(grid) == (131073, 256, 256)
+    prefill = B.parse_args(["--decode-batches", "--prefill-chunks", "1024"])
+    assert B.config_sizes(prefill) == (131072 + 1024, 1024, 1)
 
 
 def test_cute_dsl_stand_in(monkeypatch):
@@ -500,5 +757,71 @@ def test_table_ratios(capsys):
             {**rec, "layer": "v32", "median_us": 40.0},
         ]
     )
-    row = capsys.readouterr().out.splitlines()[1].split()
-    assert row[-2:] == ["1.50", "0.80"]
+    header, row = capsys.readouterr().out.splitlines()
+    # Without dense points the table is what it always was.
+    cols = ("heads", "mode", "B", "ctx", "T", "fused", "wrapper", "v32")
+    assert header == " ".join(f"{c:>9}" for c in (*cols, "x wrap", "x v32"))
+    assert row.split()[-2:] == ["1.50", "0.80"]
+
+
+def test_table_dense_columns(capsys):
+    """Dense columns and the fused forward's speedup over each dense layer,
+    only for the dense kinds that ran."""
+    rec = dict(heads=12, mode="decode", batch=8, context=131072, tokens=8)
+    records = [
+        {**rec, "layer": "fused", "median_us": 50.0},
+        {**rec, "layer": "dense-bf16", "median_us": 200.0},
+        {**rec, "layer": "dense-fp8", "skipped": "not here"},
+    ]
+    B.print_table(records)
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split()[5:] == [
+        "fused", "wrapper", "v32", "dense-bf16", "dense-fp8",
+        "x", "wrap", "x", "v32", "x", "d-bf16", "x", "d-fp8",
+    ]  # fmt: skip
+    assert row.split() == [
+        "12", "decode", "8", "131072", "8", "50.0", "-", "-", "200.0", "-",
+        "-", "-", "4.00", "-",
+    ]  # fmt: skip
+    assert len(header) == len(row)  # aligned
+    B.print_table(records[:2])
+    assert "dense-fp8" not in capsys.readouterr().out
+
+
+def test_run_skips_what_vllm_cannot_run(monkeypatch, tmp_path, capsys):
+    """A dense point vLLM refuses on the device is recorded as skipped (not
+    failed: exit status 0); --dense-backend reaches the dense configs only."""
+    out = tmp_path / "layer.json"
+    configs_made = []
+
+    def make_vllm_config(kind, heads, hidden, *sizes, **extra):
+        configs_made.append((kind, extra))
+        return types.SimpleNamespace(kind=kind)
+
+    def measure(kind, spec, cfg, device, args):
+        if (kind, spec.mode) == ("dense-fp8", "prefill"):
+            raise S.Unsupported("no fp8 prefill query here")
+        return dict(median_us=10.0)
+
+    monkeypatch.setattr(B, "bench_device", lambda: CPU)
+    monkeypatch.setattr(B, "init_runtime", lambda cfg, device: None)
+    monkeypatch.setattr(B, "shutdown_runtime", lambda: None)
+    monkeypatch.setattr(S, "make_vllm_config", make_vllm_config)
+    monkeypatch.setattr(B, "measure", measure)
+    argv = [*DENSE_COMMAND, "--layers", "fused", "dense-bf16", "dense-fp8"]
+    argv += ["--dense-backend", "FLASHMLA", "--json", str(out)]
+    assert B.main(argv) == 0
+    flashmla = {"attention_backend": "FLASHMLA"}
+    assert configs_made == [
+        ("fused", {}), ("dense-bf16", flashmla), ("dense-fp8", flashmla)
+    ]  # fmt: skip
+    records = {(r["layer"], r["mode"]): r for r in json.loads(out.read_text())}
+    assert len(records) == 6
+    skipped = records["dense-fp8", "prefill"]
+    assert skipped["skipped"] == "no fp8 prefill query here"
+    assert "error" not in skipped and "median_us" not in skipped
+    assert all("median_us" in r for r in records.values() if r is not skipped)
+    printed = capsys.readouterr()
+    assert "SKIPPED dense-fp8 heads=12 prefill" in printed.err
+    assert "FAILED" not in printed.err
+    assert "x d-bf16" in printed.out
