@@ -12,9 +12,14 @@ from __future__ import annotations
 from patch_series.edits import Edit, insert_after, insert_before
 
 CMAKE_MODULE = "cmake/kimi_k3_dsa.cmake"
-# Hopper (FlashMLA sparse / DeepGEMM SM90) and Blackwell datacenter parts, as
-# the overlay's setup.py builds them.
+# Hopper (FlashMLA sparse / DeepGEMM SM90) and Blackwell datacenter parts
+# (SM100, SM103), as the overlay's setup.py builds them (torch's extension
+# builder takes architecture-specific targets only).
 KIMI_K3_DSA_ARCHS = "9.0a;10.0a;10.3a"
+# From CUDA 13, vLLM's CMakeLists.txt lists no SM103 of its own and builds
+# the Blackwell datacenter family with one family-specific target, which runs
+# on SM100 and SM103 alike; the series' target does the same.
+KIMI_K3_DSA_ARCHS_CUDA13 = "9.0a;10.0f"
 
 
 def cmake_module(sources: list[str]) -> str:
@@ -27,17 +32,22 @@ def cmake_module(sources: list[str]) -> str:
     return (
         "# Kimi K3.1 DSA kernels (indexer key insert, fused DSA prologue) as their\n"
         "# own extension, vllm._kimi_k3_C: ops under torch.ops._kimi_k3_C, called\n"
-        "# from vllm/models/kimi_k3/nvidia/dsa_ops/. SM90a and SM100a only; without\n"
-        "# either in the target architectures the target is empty and the DSA\n"
-        "# layers serve with upstream ops.\n"
+        "# from vllm/models/kimi_k3/nvidia/dsa_ops/. SM90a and the SM10x family\n"
+        "# (SM100 and SM103) only; without either in the target architectures\n"
+        "# the target is empty and the DSA layers serve with upstream ops.\n"
         "#\n"
         "# The ops are registered with TORCH_LIBRARY on the full libtorch API (not\n"
         "# the stable ABI of _C_stable_libtorch) and loaded by\n"
         "# `import vllm._kimi_k3_C`, an empty pybind11 module: hence no USE_SABI\n"
         "# and the torch_python link.\n"
         "\n"
-        "cuda_archs_loose_intersection(KIMI_K3_DSA_ARCHS\n"
-        f'  "{KIMI_K3_DSA_ARCHS}" "${{CUDA_ARCHS}}")\n'
+        "if(${CMAKE_CUDA_COMPILER_VERSION} VERSION_GREATER_EQUAL 13.0)\n"
+        "  cuda_archs_loose_intersection(KIMI_K3_DSA_ARCHS\n"
+        f'    "{KIMI_K3_DSA_ARCHS_CUDA13}" "${{CUDA_ARCHS}}")\n'
+        "else()\n"
+        "  cuda_archs_loose_intersection(KIMI_K3_DSA_ARCHS\n"
+        f'    "{KIMI_K3_DSA_ARCHS}" "${{CUDA_ARCHS}}")\n'
+        "endif()\n"
         "if(KIMI_K3_DSA_ARCHS)\n"
         "  set(KIMI_K3_DSA_SRC\n"
         f"{src_lines}"
@@ -60,8 +70,8 @@ def cmake_module(sources: list[str]) -> str:
         "    LIBRARIES ${KIMI_K3_DSA_TORCH_PYTHON}\n"
         "    WITH_SOABI)\n"
         "else()\n"
-        '  message(STATUS "Not building _kimi_k3_C as no SM90a/SM100a is in the CUDA "\n'
-        '                 "target architectures")\n'
+        '  message(STATUS "Not building _kimi_k3_C as no SM90 or SM10x is in the "\n'
+        '                 "CUDA target architectures")\n'
         "  # Empty target so that the build step of setup.py can always name it.\n"
         "  add_custom_target(_kimi_k3_C)\n"
         "endif()\n"

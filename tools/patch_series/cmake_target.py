@@ -2,7 +2,7 @@
 """Build the series' ``_kimi_k3_C`` CMake target by itself in the patched
 tree, against the installed vLLM 0.33.0 wheel's torch.
 
-    python tools/patch_series/cmake_target.py [--archs "9.0a;10.0a;10.3a"]
+    python tools/patch_series/cmake_target.py [--archs "9.0;10.0"]
 
 runs after ``in_tree.py run`` has applied the series to
 ``build/patch_series/applied``. vLLM's full configure step cannot run here:
@@ -11,9 +11,10 @@ So the target is configured with vLLM's own CMake prelude, read from the
 patched ``CMakeLists.txt`` up to where those downloads begin (the project,
 torch, the CUDA architectures and compiler flags), followed by the series'
 ``include(cmake/kimi_k3_dsa.cmake)``. The build checks the result two ways.
-The ``.so`` must hold SASS for every requested architecture. It must also
-register the same ``torch.ops._kimi_k3_C`` operators as the overlay's
-``setup.py`` build.
+The ``.so`` must hold SASS, in each kernel source, for every architecture the
+target's configure step chose, and those must run on SM90, SM100 and SM103.
+It must also register the same ``torch.ops._kimi_k3_C`` operators as the
+overlay's ``setup.py`` build.
 """
 
 from __future__ import annotations
@@ -30,8 +31,21 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from patch_series.build_edits import CMAKE_MODULE, KIMI_K3_DSA_ARCHS
+from patch_series.build_edits import CMAKE_MODULE
 from patch_series.fetch import DEFAULT_DIR
+
+# TORCH_CUDA_ARCH_LIST as vLLM's CUDA wheels name the Hopper and Blackwell
+# datacenter architectures; the target's configure step narrows it to its own.
+DEFAULT_ARCHS = "9.0;10.0"
+# The configure step's report of the architectures the target builds for.
+BUILDING_FOR = re.compile(r"Building _kimi_k3_C for archs: (\S+)")
+# SASS that runs on each GPU the kernels must serve: an architecture-specific
+# target, or the SM10x family-specific one.
+MUST_RUN_ON = {
+    "SM90": ({"sm_90a"},),
+    "SM100": ({"sm_100a"}, {"sm_100f"}),
+    "SM103": ({"sm_103a"}, {"sm_100f"}),
+}
 
 EXTENSION = "_kimi_k3_C"
 # vLLM's CMakeLists.txt: the first line after the prelude (its third-party
@@ -127,13 +141,15 @@ def nvrtc_args(toolkit: Path) -> list[str]:
     return [f"-DCUDA_nvrtc_LIBRARY={wheel_nvrtc[0]}"]
 
 
-def build(source: Path, work: Path, archs: str, jobs: int) -> Path:
+def build(source: Path, work: Path, archs: str, jobs: int) -> tuple[Path, str]:
+    """Configure and build the target; returns the ``.so`` and the
+    architectures the configure step chose for it."""
     binary = work / "build"
     toolkit = cuda_home()
     if binary.exists():
         shutil.rmtree(binary)
     env = dict(os.environ, TORCH_CUDA_ARCH_LIST=archs)
-    subprocess.run(
+    configure = subprocess.run(
         [
             "cmake",
             "-G",
@@ -151,8 +167,15 @@ def build(source: Path, work: Path, archs: str, jobs: int) -> Path:
             *nvrtc_args(toolkit),
         ],
         env=env,
-        check=True,
+        capture_output=True,
+        text=True,
     )
+    print(configure.stdout + configure.stderr, flush=True)
+    if configure.returncode:
+        raise SystemExit(f"cmake configure failed ({configure.returncode})")
+    chosen = BUILDING_FOR.search(configure.stdout)
+    if chosen is None:
+        raise SystemExit(f"the configure step built no {EXTENSION} for {archs}")
     subprocess.run(
         ["cmake", "--build", str(binary), "--target", EXTENSION, "-j", str(jobs)],
         env=env,
@@ -161,7 +184,7 @@ def build(source: Path, work: Path, archs: str, jobs: int) -> Path:
     built = sorted(binary.glob(f"{EXTENSION}*.so"))
     if len(built) != 1:
         raise SystemExit(f"expected one {EXTENSION}*.so in {binary}, found {built}")
-    return built[0]
+    return built[0], chosen.group(1)
 
 
 def cuobjdump() -> str:
@@ -176,13 +199,21 @@ def cuobjdump() -> str:
 
 
 def sass_by_source(so: Path) -> dict[str, set[str]]:
-    """``{kernel source stem: {sm_XX[a], ...}}`` from the ELF cubins in ``so``."""
+    """``{kernel source stem: {sm_XX[a|f], ...}}`` from the ELF cubins in
+    ``so``: each cubin's header names its architecture and its source
+    (``--list-elf`` names a family cubin ``sm_100``, without its ``f``)."""
     listing = subprocess.run(
-        [cuobjdump(), "--list-elf", str(so)], capture_output=True, text=True, check=True
+        [cuobjdump(), "--dump-elf-symbols", str(so)],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     found: dict[str, set[str]] = {}
-    for stem, arch in re.findall(r"ELF file\s+\d+: (\S+)\.(sm_\d+a?)\.cubin", listing):
-        found.setdefault(stem, set()).add(arch)
+    pairs = re.findall(
+        r"^arch = (sm_\d+[af]?)\s*\n(?:.*\n)*?identifier = (\S+)", listing, re.M
+    )
+    for arch, source in pairs:
+        found.setdefault(Path(source).stem, set()).add(arch)
     return found
 
 
@@ -206,8 +237,17 @@ def overlay_extension() -> Path:
     return Path(spec.origin)
 
 
-def check(so: Path, archs: str, kernel_sources: list[str]) -> None:
-    wanted = {"sm_" + a.replace(".", "") for a in archs.split(";")}
+def check(so: Path, chosen: str, kernel_sources: list[str]) -> None:
+    wanted = {"sm_" + a.replace(".", "") for a in chosen.split(";")}
+    unserved = [
+        gpu
+        for gpu, options in MUST_RUN_ON.items()
+        if not any(option <= wanted for option in options)
+    ]
+    if unserved:
+        raise SystemExit(
+            f"the target is built for {chosen}, which does not run on {unserved}"
+        )
     found = sass_by_source(so)
     for source in kernel_sources:
         got = found.get(Path(source).stem, set())
@@ -216,7 +256,10 @@ def check(so: Path, archs: str, kernel_sources: list[str]) -> None:
                 f"{so.name}: {source} has SASS for {sorted(got)}, expected "
                 f"{sorted(wanted)}"
             )
-    _log(f"{so.name}: SASS for {', '.join(sorted(wanted))} in each of {kernel_sources}")
+    _log(
+        f"{so.name}: SASS for {', '.join(sorted(wanted))} (runs on "
+        f"{', '.join(MUST_RUN_ON)}) in each of {kernel_sources}"
+    )
     ops = registered_ops(so)
     overlay_ops = registered_ops(overlay_extension())
     if not ops or ops != overlay_ops:
@@ -238,16 +281,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=DEFAULT_DIR / "cmake_target")
     parser.add_argument(
         "--archs",
-        default=KIMI_K3_DSA_ARCHS,
+        default=DEFAULT_ARCHS,
         help="TORCH_CUDA_ARCH_LIST for vLLM's prelude (default: %(default)s)",
     )
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("MAX_JOBS", 2)))
     args = parser.parse_args(argv)
     start = time.monotonic()
     source = stage_source(args.applied, args.work)
-    so = build(source, args.work, args.archs, args.jobs)
-    _log(f"built {so} in {time.monotonic() - start:.0f} s")
-    check(so, args.archs, kernel_sources(source))
+    so, chosen = build(source, args.work, args.archs, args.jobs)
+    _log(f"built {so} for {chosen} in {time.monotonic() - start:.0f} s")
+    check(so, chosen, kernel_sources(source))
     return 0
 
 
