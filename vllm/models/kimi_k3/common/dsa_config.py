@@ -22,7 +22,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import DEEPGEMM_INDEX_HEADS
+from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import (
+    DEEPGEMM_INDEX_HEAD_DIMS_FP4,
+    DEEPGEMM_INDEX_HEAD_DIMS_FP8,
+    DEEPGEMM_INDEX_HEADS,
+    k_insert_unsupported,
+)
 from vllm.transformers_utils.configs.kimi_k3 import KimiK3Config
 from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 
@@ -30,7 +35,6 @@ INDEX_K_NORM_TYPES = ("rmsnorm", "layernorm")
 # DeepGEMM's indexer MQA-logits kernels pad the heads to 32 or 64 and take no
 # more.
 MAX_INDEX_NUM_HEADS = max(DEEPGEMM_INDEX_HEADS)
-INDEX_HEAD_DIM_MULTIPLE = 32
 # vLLM 0.33.0's FlashMLA sparse backend turns each top-k row into cache slots
 # with triton_convert_req_index_to_global_index, 128 columns per tile.
 INDEX_TOPK_MULTIPLE = 128
@@ -102,14 +106,11 @@ class DSAConfig:
                 f"top-k rows to cache slots {INDEX_TOPK_MULTIPLE} columns at a "
                 f"time), got {self.index_topk}"
             )
-        if (
-            self.index_head_dim <= 0
-            or self.index_head_dim % INDEX_HEAD_DIM_MULTIPLE != 0
-        ):
+        if self.index_head_dim not in DEEPGEMM_INDEX_HEAD_DIMS_FP8:
             raise ValueError(
-                f"dsa_config.index_head_dim must be a positive multiple of "
-                f"{INDEX_HEAD_DIM_MULTIPLE} (one MXFP4 scale per 32 values), got "
-                f"{self.index_head_dim}"
+                "dsa_config.index_head_dim must be one of "
+                f"{list(DEEPGEMM_INDEX_HEAD_DIMS_FP8)} (the head dims DeepGEMM's "
+                f"fp8 MQA-logits kernels take), got {self.index_head_dim}"
             )
         if not 1 <= self.index_num_heads <= MAX_INDEX_NUM_HEADS:
             raise ValueError(
@@ -334,13 +335,28 @@ def is_dsa_model(text_config: Any) -> bool:
 
 
 def check_mxfp4_indexer(dsa: DSAConfig) -> None:
-    """The model-side rule of MXFP4 indexer keys (the GPU rule is
-    :func:`.dsa_verify.check_indexer_kv_dtype`'s): they are written only by
-    the fused key insert (layernorm k-norm, no indexer rope)."""
+    """The model-side rules of MXFP4 indexer keys (the GPU rule is
+    :func:`.dsa_verify.check_indexer_kv_dtype`'s): they are read by DeepGEMM's
+    FP4 MQA logits, which take fewer head dims than the fp8 ones, and written
+    only by the fused key insert (layernorm k-norm, no indexer rope, the
+    shapes its kernel is built for)."""
     if not (dsa.index_k_norm_type == "layernorm" and dsa.index_rope_dim == 0):
         raise ValueError(
             "indexer_kv_dtype='mxfp4' needs the fused Kimi K3 DSA key insert "
             "(index_k_norm_type='layernorm', index_rope_dim=0), got "
             f"index_k_norm_type={dsa.index_k_norm_type!r}, "
             f"index_rope_dim={dsa.index_rope_dim}"
+        )
+    if dsa.index_head_dim not in DEEPGEMM_INDEX_HEAD_DIMS_FP4:
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' needs dsa_config.index_head_dim in "
+            f"{list(DEEPGEMM_INDEX_HEAD_DIMS_FP4)} (the head dims DeepGEMM's FP4 "
+            f"MQA-logits kernels take), got index_head_dim {dsa.index_head_dim}"
+        )
+    unsupported = k_insert_unsupported(dsa.index_head_dim, dsa.index_num_heads)
+    if unsupported:
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' needs the fused Kimi K3 DSA key insert, "
+            "the only writer of MXFP4 keys, which cannot take "
+            f"{'; '.join(unsupported)}. Use indexer_kv_dtype='fp8'"
         )
