@@ -19,8 +19,12 @@ from typing import Any
 
 import pytest
 
+from vllm.models.kimi_k3.common import dsa_config as dsa_config_module
 from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
     TINY_DSA_CONFIG,
+    TINY_VISION_CONFIG,
+    tiny_multimodal_config,
+    tiny_text_config,
 )
 from vllm.models.kimi_k3.common.dsa_verify import verify_dsa_vllm_config
 
@@ -166,3 +170,70 @@ def test_sparse_mla_heads_per_rank_refused(tiny_checkpoint, engine_config, heads
         f"num_attention_heads {heads} at tensor_parallel_size 1 gives {heads} "
         "attention heads per rank; FlashMLA sparse takes at most 128"
     ) in one_line(err)
+
+
+# -- 2. DSA keys where Kimi K3.1 does not read them ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("keys", "named"),
+    [
+        pytest.param(
+            {"index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64},
+            "index_head_dim=128, index_n_heads=64, index_topk=2048",
+            id="deepseek-v32-flat",
+        ),
+        pytest.param(
+            {"indexer_n_heads": 32, "indexer_head_dim": 128},
+            "indexer_head_dim=128, indexer_n_heads=32",
+            id="newer-indexer",
+        ),
+        pytest.param(
+            {"linear_attn_config": {**tiny_text_config()["linear_attn_config"],
+                                    "dsa_config": TINY_DSA_CONFIG}},
+            "linear_attn_config.dsa_config=",
+            id="under-linear-attn-config",
+        ),
+    ],
+)  # fmt: skip
+def test_dsa_keys_outside_dsa_config_refused(
+    tiny_checkpoint, engine_config, keys, named
+):
+    """Without dsa_config these would be served as dense Kimi K3."""
+    with pytest.raises(ValueError) as err:
+        engine_config(tiny_checkpoint(dsa=False, **keys))
+    message = one_line(err)
+    assert named in message
+    assert "outside dsa_config" in message
+    assert "would be served as dense Kimi K3" in message
+
+
+def test_multimodal_dsa_block_under_vision_config_refused(tmp_path, engine_config):
+    config = tiny_multimodal_config(dsa=False)
+    config["vision_config"] = {**TINY_VISION_CONFIG, "dsa_config": TINY_DSA_CONFIG}
+    with pytest.raises(ValueError) as err:
+        engine_config(multimodal_checkpoint(tmp_path / "mm", config))
+    assert "vision_config.dsa_config=" in one_line(err)
+
+
+def test_dsa_keys_beside_dsa_config_warned_by_name(
+    tiny_checkpoint, engine_config, record_logs
+):
+    """With dsa_config present the model is served as DSA from it (as the
+    spec reads it); keys elsewhere are named in one warning, not silently
+    ignored. The top-level index_topk the config class derives is not one."""
+    logs = record_logs(dsa_config_module)
+    config = engine_config(
+        tiny_checkpoint(index_n_heads=64, index_topk=TINY_DSA_CONFIG["index_topk"])
+    )
+    assert config.model_config.hf_text_config.dsa_config.index_num_heads == 32
+    warnings = [m for m in logs.messages("warning_once") if "outside dsa_config" in m]
+    assert len(warnings) == 1
+    assert "index_n_heads=64" in warnings[0]
+    assert "index_topk" not in warnings[0]
+    assert "ignored" in warnings[0]
+
+
+def test_plain_kimi_k3_without_dsa_keys_still_accepted(tiny_checkpoint, engine_config):
+    config = engine_config(tiny_checkpoint(dsa=False))
+    assert config.model_config.hf_text_config.dsa_config is None
