@@ -237,3 +237,80 @@ def test_dsa_keys_beside_dsa_config_warned_by_name(
 def test_plain_kimi_k3_without_dsa_keys_still_accepted(tiny_checkpoint, engine_config):
     config = engine_config(tiny_checkpoint(dsa=False))
     assert config.model_config.hf_text_config.dsa_config is None
+
+
+# -- 5. environment switches and the speculative config -----------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "VLLM_KIMI_K3_DSA_FORCE_WRAPPER",
+        "VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP",
+        "VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES",
+    ],
+)
+@pytest.mark.parametrize("value", ["yes", "2", "", "on"])
+def test_bad_env_switch_refused_at_config_time(
+    tiny_checkpoint, engine_config, monkeypatch, name, value
+):
+    """Every switch is parsed when the config is verified, not first when a
+    layer, the cache or the compile cache happens to read it."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as err:
+        engine_config(tiny_checkpoint())
+    assert (
+        f"{name}={value!r} is not understood: accepted values are "
+        "['0', '1', 'false', 'true']"
+    ) in one_line(err)
+
+
+@pytest.mark.parametrize("value", ["0", "1", "TRUE", "false"])
+def test_good_env_switch_values_accepted(
+    tiny_checkpoint, engine_config, monkeypatch, value
+):
+    monkeypatch.setenv("VLLM_KIMI_K3_DSA_FORCE_WRAPPER", value)
+    engine_config(tiny_checkpoint())
+
+
+_ABSENT = object()
+
+
+@pytest.mark.parametrize(
+    ("layers", "shown"),
+    [(0, 0), (_ABSENT, 0), (None, None)],
+    ids=["zero", "absent", "null"],
+)
+@pytest.mark.parametrize("method", ["mtp", "kimi_k3_mtp"])
+def test_mtp_draft_without_mtp_layers_refused(
+    tmp_path, engine_config, layers, shown, method
+):
+    """vLLM 0.33.0 divides num_speculative_tokens by the draft's
+    num_nextn_predict_layers (ZeroDivisionError at 0, also the default when
+    the key is absent) and, at null, builds an MTP draft with no layer:
+    refused before either."""
+    text = tiny_text_config()
+    if layers is _ABSENT:
+        del text["num_nextn_predict_layers"]
+    else:
+        text["num_nextn_predict_layers"] = layers
+    config = {**tiny_multimodal_config(), "text_config": text}
+    path = multimodal_checkpoint(tmp_path / "mm", config)
+    with pytest.raises(ValueError) as err:
+        engine_config(
+            path,
+            speculative_config={"method": method, "num_speculative_tokens": 1},
+        )
+    assert (
+        f"text_config.num_nextn_predict_layers is {shown!r}: an MTP draft needs "
+        "a positive integer (the checkpoint's MTP layers)"
+    ) in one_line(err)
+    engine_config(path)  # without a draft it serves
+
+
+def test_mtp_draft_with_mtp_layers_accepted(tmp_path, engine_config):
+    path = multimodal_checkpoint(tmp_path / "mm", tiny_multimodal_config())
+    config = engine_config(
+        path, speculative_config={"method": "mtp", "num_speculative_tokens": 1}
+    )
+    assert config.speculative_config.num_speculative_tokens == 1

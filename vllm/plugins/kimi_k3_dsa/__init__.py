@@ -20,7 +20,8 @@ Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
 ``config_verifier``      ``model_executor/models/config.py``
                          ``MODELS_CONFIG_MAP`` -> DSA rules (PCP refused,
                          top-k, MLA dims, indexer dtype, parallelism) and
-                         ``fp8_ds_mla`` in the Kimi K3 verifier
+                         ``fp8_ds_mla`` in the Kimi K3 verifier; the MTP
+                         draft's refuses a checkpoint without MTP layers
 ``block_size``           ``platforms/interface.py``
                          ``Platform._align_hybrid_block_size`` -> for a
                          KDA-hybrid DSA model the block is

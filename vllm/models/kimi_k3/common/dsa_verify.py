@@ -30,6 +30,7 @@ from vllm.models.kimi_k3.common.dsa_envs import (
     EXPERIMENTAL_DCP_ENV,
     FORCE_WRAPPER_ENV,
     MLA_KERNEL_PAGES_ENV,
+    check_env_switches,
     experimental_dcp,
     force_wrapper_forward,
     mla_kernel_pages_in_use,
@@ -37,7 +38,7 @@ from vllm.models.kimi_k3.common.dsa_envs import (
 from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import KERNEL_INDEX_HEAD_DIM
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
 
 logger = init_logger(__name__)
 
@@ -326,6 +327,7 @@ def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
         raise NotImplementedError(ROCM_REASON)
     if current_platform.is_xpu():
         raise NotImplementedError(XPU_REASON)
+    check_env_switches()
     dsa: DSAConfig = text_config.dsa_config
     check_dsa_pcp(vllm_config.parallel_config)
     check_decode_backend(vllm_config)
@@ -348,3 +350,24 @@ def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
             requested,
         )
         cache_config.cache_dtype = resolved
+
+
+def verify_dsa_mtp_draft(model_config: ModelConfig) -> None:
+    """Refuse an MTP draft of a Kimi K3.1 checkpoint that has no MTP layer.
+
+    Runs when the draft's model config is built (its model verifier), before
+    vLLM 0.33.0's ``SpeculativeConfig`` divides ``num_speculative_tokens`` by
+    the draft's layer count (``ZeroDivisionError`` at 0, which is also the
+    default when the key is absent) or builds a draft with no layer (null).
+    """
+    text_config = getattr(model_config, "hf_text_config", None)
+    if not is_dsa_model(text_config):
+        return
+    layers = getattr(text_config, "num_nextn_predict_layers", None)
+    if type(layers) is not int or layers < 1:
+        raise ValueError(
+            f"text_config.num_nextn_predict_layers is {layers!r}: an MTP draft "
+            "needs a positive integer (the checkpoint's MTP layers), and this "
+            "checkpoint has no MTP layer to draft with. Serve it without "
+            "--speculative-config, or use a checkpoint with MTP layers"
+        )
