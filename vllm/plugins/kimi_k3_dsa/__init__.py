@@ -52,7 +52,10 @@ Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
                          ``KimiK3ForConditionalGeneration``; ``mtp.py``
                          ``KimiK3MTP`` -> a ``process_weights_after_loading``
                          that refuses incomplete indexers and calls
-                         ``pack_projections()`` on DSA layers
+                         ``pack_projections()`` on DSA layers;
+                         ``model_loader/default_loader.py``
+                         ``track_weights_loading`` -> the same refusal
+                         before its generic one
 =======================  =====================================================
 
 Remove a seam when the vLLM this package targets has its in-tree edit; until
