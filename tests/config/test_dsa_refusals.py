@@ -109,6 +109,19 @@ def test_mxfp4_index_head_dim_refused(
     assert accepted in message
 
 
+def test_mxfp4_with_the_wrapper_forward_refused(
+    tiny_checkpoint, engine_config, monkeypatch
+):
+    """The wrapper forward writes keys with vLLM's insert, fp8 only."""
+    monkeypatch.setenv("VLLM_KIMI_K3_DSA_FORCE_WRAPPER", "1")
+    with pytest.raises(ValueError) as err:
+        engine_config(tiny_checkpoint(), attention_config={"indexer_kv_dtype": "mxfp4"})
+    assert (
+        "indexer_kv_dtype='mxfp4' cannot be served with "
+        "VLLM_KIMI_K3_DSA_FORCE_WRAPPER=1"
+    ) in one_line(err)
+
+
 def test_sm10x_fp8_keys_need_head_dim_128(tiny_checkpoint, engine_config, monkeypatch):
     """On SM10x DeepGEMM reads MX-scaled fp8 keys, which vLLM's key insert
     writes at head dim 128 only (and so does ours)."""
@@ -147,6 +160,15 @@ def test_topk_buffer_over_the_gpu_memory_budget_refused(
     small = engine_config(path, max_num_batched_tokens=8192, **common)
     as_gpu(monkeypatch, sm10x=False, total_bytes=141 * GIB)
     verify_dsa_vllm_config(small)  # 128 MiB
+    # A process without the GPU (Ray's driver) cannot tell: nothing to check.
+    from vllm.platforms import current_platform
+
+    def no_gpu_here(device_id: int = 0) -> int:
+        raise RuntimeError("no GPU visible")
+
+    monkeypatch.setattr(current_platform, "get_device_total_memory", no_gpu_here)
+    verify_dsa_vllm_config(big)
+    as_gpu(monkeypatch, sm10x=False, total_bytes=141 * GIB)
     with pytest.raises(ValueError) as err:
         verify_dsa_vllm_config(big)
     message = one_line(err)

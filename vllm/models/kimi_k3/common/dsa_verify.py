@@ -263,7 +263,12 @@ def check_topk_buffer_budget(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
 
     if not current_platform.is_cuda():
         return
-    total = current_platform.get_device_total_memory()
+    try:
+        total = current_platform.get_device_total_memory()
+    except Exception:
+        # As vLLM's own query in EngineArgs: the process that verifies the
+        # config need not sit on a GPU that serves (Ray); nothing to check.
+        return
     utilization = vllm_config.cache_config.gpu_memory_utilization
     budget = int(total * utilization)
     rows = topk_indices_buffer_rows(vllm_config)
