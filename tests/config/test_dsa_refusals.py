@@ -257,8 +257,9 @@ def test_dsa_keys_beside_dsa_config_warned_by_name(
 
 
 def test_plain_kimi_k3_without_dsa_keys_still_accepted(tiny_checkpoint, engine_config):
-    config = engine_config(tiny_checkpoint(dsa=False))
-    assert config.model_config.hf_text_config.dsa_config is None
+    for nulls in ({}, {"index_topk": None, "indexer_n_heads": None}):
+        config = engine_config(tiny_checkpoint(dsa=False, **nulls))
+        assert config.model_config.hf_text_config.dsa_config is None
 
 
 # -- 5. environment switches and the speculative config -----------------------

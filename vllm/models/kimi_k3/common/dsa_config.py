@@ -187,7 +187,8 @@ def _is_dsa_key(key: Any) -> bool:
 
 def find_dsa_keys(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """The DSA-shaped keys in a raw config (nested JSON objects included), by
-    dotted path, in path order; a DSA key's own value is not searched."""
+    dotted path, in path order; a DSA key's own value is not searched, and a
+    null one, which sets nothing, is not counted."""
     found: dict[str, Any] = {}
     pending: list[tuple[str, Mapping[str, Any]]] = [(prefix, values)]
     while pending:
@@ -195,7 +196,8 @@ def find_dsa_keys(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]
         for key, value in mapping.items():
             name = f"{path}{key}"
             if _is_dsa_key(key):
-                found[name] = value
+                if value is not None:
+                    found[name] = value
             elif isinstance(value, Mapping):
                 pending.append((f"{name}.", value))
     return dict(sorted(found.items()))
