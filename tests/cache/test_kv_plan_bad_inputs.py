@@ -24,6 +24,7 @@ import vllm.models.kimi_k3.common.dsa_cache  # noqa: F401
 import vllm.models.kimi_k3.common.dsa_config  # noqa: F401
 from vllm.entrypoints.kimi_k3_dsa.kv_plan import PROG, main
 from vllm.models.kimi_k3.common import dsa_kv_plan_inputs as plan_inputs
+from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import TINY_DSA_CONFIG
 
 BUNDLED = Path(plan_inputs.__file__).parent / "data" / plan_inputs.BUNDLED_CONFIG
 ERROR = f"{PROG}: error: "
@@ -487,3 +488,73 @@ def test_console_script_refuses_without_traceback(tmp_path):
     assert len(errors) == 1, result.stderr
     assert result.stderr.rstrip().endswith(errors[0])
     assert_words(errors[0], [str(path), "kv_lora_rank must be 512", "got 256"])
+
+
+# What `vllm serve` refuses for a checkpoint and flags, the plan refuses for the
+# same checkpoint and flags, by the same functions, with the same reason:
+# (id, text-config overrides, engine arguments, plan flags, the shared reason).
+SERVE_AND_PLAN: list[tuple[str, dict[str, Any], dict[str, Any], list[str], str]] = [
+    (
+        "max-model-len-beyond-the-model",
+        {},
+        {"max_model_len": 8192},
+        ["--max-model-len", "8192"],
+        "User-specified max_model_len (8192) is greater than the derived "
+        "max_model_len (max_position_embeddings=4096",
+    ),
+    (
+        "index-topk-above-max-model-len",
+        {},
+        {"max_model_len": 64},
+        ["--max-model-len", "64"],
+        "dsa_config.index_topk (128) must not exceed max_model_len (64)",
+    ),
+    (
+        "index-head-dim-deepgemm-cannot-run",
+        {"dsa_config": {**TINY_DSA_CONFIG, "index_head_dim": 96}},
+        {},
+        [],
+        "dsa_config.index_head_dim must be one of [32, 64, 128]",
+    ),
+    (
+        "mxfp4-index-head-dim",
+        {"dsa_config": {**TINY_DSA_CONFIG, "index_head_dim": 64}},
+        {"attention_config": {"indexer_kv_dtype": "mxfp4"}},
+        ["--indexer-kv-dtype", "mxfp4"],
+        "the fused Kimi K3 DSA key insert, the only writer of MXFP4 keys, which "
+        "cannot take index_head_dim 64",
+    ),
+    (
+        "sparse-mla-heads-per-rank",
+        {"num_attention_heads": 256, "num_key_value_heads": 256},
+        {},
+        [],
+        "num_attention_heads 256 at tensor_parallel_size 1 gives 256 attention "
+        "heads per rank; FlashMLA sparse takes at most 128",
+    ),
+    (
+        "deepseek-v32-flat-keys",
+        {"dsa": False, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64},
+        {},
+        [],
+        "carries DSA keys outside dsa_config: index_head_dim=128, "
+        "index_n_heads=64, index_topk=2048",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "engine_args", "flags", "reason"),
+    [pytest.param(o, e, f, r, id=i) for i, o, e, f, r in SERVE_AND_PLAN],
+)
+def test_plan_refuses_what_serve_refuses(
+    capsys, tiny_checkpoint, engine_config, overrides, engine_args, flags, reason
+):
+    path = tiny_checkpoint(**overrides)
+    with pytest.raises(ValueError) as err:
+        engine_config(path, **{"max_model_len": 1024, **engine_args})
+    assert reason in str(err.value)
+    if "--max-model-len" not in flags:
+        flags = [*flags, "--max-model-len", "1024"]
+    argv = ["--config", str(path), "--tp", "1", "--kv-budget", "1GiB", *flags]
+    assert reason in assert_refused(capsys, argv)

@@ -92,13 +92,13 @@ BAD_CHECKPOINTS = [
         "head-dim-100",
         {"dsa_config": dsa(index_head_dim=100)},
         ValueError,
-        r"index_head_dim must be a positive multiple of 32 .* got 100",
+        r"index_head_dim must be one of \[32, 64, 128\] .* got 100",
     ),
     (
         "head-dim-negative",
         {"dsa_config": dsa(index_head_dim=-128)},
         ValueError,
-        r"index_head_dim must be a positive multiple of 32 .* got -128",
+        r"index_head_dim must be one of \[32, 64, 128\] .* got -128",
     ),
     (
         "topk-zero",
@@ -525,7 +525,9 @@ def test_dcp_needs_a_topk_the_merge_takes(tiny_checkpoint, engine_config, monkey
         r"got 128",
     ):
         verify_dsa_vllm_config(config)
-    config = engine_config(tiny_checkpoint(dsa_config=dsa(index_topk=2048)))
+    config = engine_config(
+        tiny_checkpoint(dsa_config=dsa(index_topk=2048)), max_model_len=2048
+    )
     config.parallel_config.decode_context_parallel_size = 2
     verify_dsa_vllm_config(config)
 

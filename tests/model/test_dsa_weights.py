@@ -606,3 +606,116 @@ def test_quant_config_ignore_list_follows_the_indexer_rename() -> None:
             "re:.*indexer.wq_b",
         ]
     map_indexer_names_in_quant_config(SimpleNamespace(quant_config=None))
+
+
+# -- dtypes and scales; missing tensors named through vLLM's own loader --------
+
+
+@pytest.mark.parametrize(
+    ("tensor", "dtype"),
+    [
+        ("indexer.weights_proj.weight", torch.float8_e4m3fn),
+        ("indexer.k_norm.weight", torch.float8_e4m3fn),
+        ("indexer.k_norm.bias", torch.int8),
+        ("indexer.wk.weight", torch.int8),
+        ("q_a_proj.weight", torch.float8_e4m3fn),
+    ],
+)
+def test_quantized_tensor_into_an_unquantized_parameter_refused(
+    dsa_layer_env, tmp_path: Path, tensor: str, dtype: torch.dtype
+) -> None:
+    """The weight loaders copy with a cast: quantized values without their
+    scale would load as if they were the weights. Refused on arrival, naming
+    the tensor, its dtype and what the parameter takes."""
+    model = build(dsa_layer_env)
+    ckpt = read_checkpoint(write_tiny_checkpoint(tmp_path / "k31"))
+    name = f"model.layers.{DSA_LAYERS[0]}.self_attn.{tensor}"
+    ckpt[name] = ckpt[name].to(dtype)
+    with pytest.raises(ValueError) as err:
+        load(model, ckpt)
+    message = str(err.value)
+    assert "\n" not in message
+    dtype_name = str(dtype).removeprefix("torch.")
+    assert f"checkpoint tensor '{name.removeprefix('model.')}'" in message
+    assert f"is {dtype_name}, which parameter" in message
+    assert "accepted: bfloat16, float16 or float32" in message
+
+
+def test_unquantized_weight_into_an_fp8_parameter_refused(dsa_layer_env) -> None:
+    """A bf16 wq_b for a block-quantized fp8 wq_index would be cast to fp8
+    without a scale."""
+    from vllm.models.kimi_k3.nvidia.dsa_weight_router import DSAWeightRouter
+
+    root, attn = _fake_root(fp8=True)
+    p = "layers.0.self_attn."
+    router = DSAWeightRouter(dict(root.named_parameters()), {p: (p, attn)})
+    with pytest.raises(ValueError) as err:
+        router.load(p + "indexer.wq_b.weight", torch.randn(512, 256))
+    assert (
+        f"checkpoint tensor '{p}indexer.wq_b.weight' (the weight of the indexer's "
+        "query projection) is float32, which parameter"
+    ) in str(err.value)
+    assert "accepted: a float8_e4m3fn weight with its weight_scale_inv" in str(
+        err.value
+    )
+
+
+def test_fp8_scale_of_a_dtype_it_cannot_be_refused(dsa_layer_env) -> None:
+    from vllm.models.kimi_k3.nvidia.dsa_weight_router import DSAWeightRouter
+
+    root, attn = _fake_root(fp8=False)
+    p = "layers.0.self_attn."
+    router = DSAWeightRouter(dict(root.named_parameters()), {p: (p, attn)})
+    router.load(p + "indexer.wk.weight", torch.zeros(128, 256).to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError) as err:
+        router.load(
+            p + "indexer.wk.weight_scale_inv", torch.ones(1, 2, dtype=torch.int32)
+        )
+    assert "'layers.0.self_attn.indexer.wk.weight_scale_inv'" in str(err.value)
+    assert "is int32; accepted: float32, bfloat16 or float16 scales" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("missing", "purpose"),
+    [
+        (
+            "indexer.k_norm.weight",
+            "the weight of the indexer's key norm, applied to every key before "
+            "it is cached",
+        ),
+        ("indexer.wq_b.weight", "the weight of the indexer's query projection"),
+    ],
+)
+def test_missing_dsa_tensor_named_through_vllms_loader(
+    dsa_layer_env, tmp_path: Path, missing: str, purpose: str
+) -> None:
+    """vLLM's DefaultModelLoader would refuse a missing norm with its generic
+    "Following weights were not initialized" naming a vLLM parameter; the
+    DSA layer, the checkpoint tensor and what it is for are named instead. A
+    linear's weight is exempt from that check (UnquantizedLinearMethod
+    post-processes it), so the model-level post-load hook, which runs right
+    after, refuses it, in the same words."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import CHECKPOINT_FILE
+
+    env = dsa_layer_env
+    path = write_tiny_checkpoint(tmp_path / "k31")
+    layer = DSA_LAYERS[-1]
+    name = f"model.layers.{layer}.self_attn.{missing}"
+    save_file(_drop(read_checkpoint(path), name), str(path / CHECKPOINT_FILE))
+    model = build(env)
+    model_config = copy.copy(env.vllm_config.model_config)
+    model_config.model = str(path)
+    loader = get_model_loader(env.vllm_config.load_config)
+    with pytest.raises(ValueError) as err, torch.no_grad():
+        loader.load_weights(model, model_config)
+        model.process_weights_after_loading()
+    message = str(err.value)
+    assert "\n" not in message
+    assert "not initialized" not in message
+    assert f"Kimi K3.1 DSA layer 'layers.{layer}.self_attn'" in message
+    assert f"'layers.{layer}.self_attn.{missing}' ({purpose})" in message

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # ruff: noqa: E501 (the strings quote lines of vLLM's files verbatim)
 """In-tree edit of the ``config_verifier`` seam: the Kimi K3 verifier (and a
-new Kimi-Linear one) applies the DSA rules."""
+new Kimi-Linear one) applies the DSA rules; the MTP draft's verifier refuses a
+checkpoint without MTP layers."""
 
-from patch_series.edits import insert_after
+from patch_series.edits import Edit, insert_after
 
 SUBJECT = "[Model] Kimi K3.1: verify DSA configs (fp8_ds_mla cache, DSA rules)"
 
@@ -32,11 +33,27 @@ EDITS = (
         '    def verify_and_update_config(vllm_config: "VllmConfig") -> None:\n'
         "        from <<verify_dsa_vllm_config>> import verify_dsa_vllm_config\n"
         "\n"
-        "        verify_dsa_vllm_config(vllm_config)\n",
+        "        verify_dsa_vllm_config(vllm_config)\n"
+        "\n"
+        "\n"
+        "class KimiK3MTPModelConfig(KimiK3ForConditionalGenerationConfig):\n"
+        '    """The Kimi K3 MTP draft: refuses a Kimi K3.1 checkpoint without MTP\n'
+        "    layers when the draft's model config is built, before\n"
+        '    SpeculativeConfig divides by their count."""\n'
+        "\n"
+        "    @staticmethod\n"
+        '    def verify_and_update_model_config(model_config: "ModelConfig") -> None:\n'
+        "        KimiK3ForConditionalGenerationConfig.verify_and_update_model_config(\n"
+        "            model_config\n"
+        "        )\n"
+        "        from <<verify_dsa_mtp_draft>> import verify_dsa_mtp_draft\n"
+        "\n"
+        "        verify_dsa_mtp_draft(model_config)\n",
     ),
-    insert_after(
+    Edit(
         _CONFIG,
         '    "KimiK3MTPModel": KimiK3ForConditionalGenerationConfig,\n',
+        '    "KimiK3MTPModel": KimiK3MTPModelConfig,\n'
         '    "KimiLinearForCausalLM": KimiLinearForCausalLMConfig,\n',
     ),
 )

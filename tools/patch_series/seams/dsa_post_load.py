@@ -1,14 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # ruff: noqa: E501 (the strings quote lines of vLLM's files verbatim)
 """In-tree edit of the ``dsa_post_load`` seam: a model-level post-load hook
-refuses incomplete indexers and packs the DSA layers' projections."""
+refuses incomplete indexers and packs the DSA layers' projections; the
+default loader names a missing DSA tensor before its generic refusal."""
 
-from patch_series.edits import Edit, insert_after
+from patch_series.edits import Edit, insert_after, insert_before
 
 SUBJECT = "[Model] Kimi K3.1: pack the DSA projections after weight loading"
 
 _MODEL = "vllm/models/kimi_k3/nvidia/model.py"
 _MTP = "vllm/models/kimi_k3/nvidia/mtp.py"
+_LOADER = "vllm/model_executor/model_loader/default_loader.py"
 
 _HOOK = (
     "\n"
@@ -57,5 +59,17 @@ EDITS = (
         "\n"
         "        return loaded_params\n",
         _HOOK,
+    ),
+    insert_before(
+        _LOADER,
+        "                raise ValueError(\n"
+        '                    "Following weights were not initialized from "\n',
+        "                # Kimi K3.1 DSA: name a missing indexer tensor by its layer\n"
+        "                # and what it is for (a no-op without DSA layers).\n"
+        "                from <<check_dsa_indexers_complete>> import (\n"
+        "                    check_dsa_indexers_complete,\n"
+        "                )\n"
+        "\n"
+        "                check_dsa_indexers_complete(model)\n",
     ),
 )

@@ -20,7 +20,8 @@ Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
 ``config_verifier``      ``model_executor/models/config.py``
                          ``MODELS_CONFIG_MAP`` -> DSA rules (PCP refused,
                          top-k, MLA dims, indexer dtype, parallelism) and
-                         ``fp8_ds_mla`` in the Kimi K3 verifier
+                         ``fp8_ds_mla`` in the Kimi K3 verifier; the MTP
+                         draft's refuses a checkpoint without MTP layers
 ``block_size``           ``platforms/interface.py``
                          ``Platform._align_hybrid_block_size`` -> for a
                          KDA-hybrid DSA model the block is
@@ -51,7 +52,10 @@ Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
                          ``KimiK3ForConditionalGeneration``; ``mtp.py``
                          ``KimiK3MTP`` -> a ``process_weights_after_loading``
                          that refuses incomplete indexers and calls
-                         ``pack_projections()`` on DSA layers
+                         ``pack_projections()`` on DSA layers;
+                         ``model_loader/default_loader.py``
+                         ``track_weights_loading`` -> the same refusal
+                         before its generic one
 =======================  =====================================================
 
 Remove a seam when the vLLM this package targets has its in-tree edit; until

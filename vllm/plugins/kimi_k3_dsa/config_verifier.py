@@ -11,10 +11,17 @@ config time when it cannot be served. The runner resolves the KV cache dtype
 from ``cache_config.cache_dtype`` before the model is built, so the forcing
 belongs in the verifier, never in the model.
 
+The MTP draft's model config is verified too, as it is built: a Kimi K3.1
+checkpoint without MTP layers is refused there, before vLLM's
+``SpeculativeConfig`` divides by the draft's layer count.
+
 In-tree edit: a ``verify_and_update_config`` on
 ``KimiK3ForConditionalGenerationConfig`` calling
 :func:`~vllm.models.kimi_k3.common.dsa_verify.verify_dsa_vllm_config`, and the
-same hook registered for ``KimiLinearForCausalLM``.
+same hook registered for ``KimiLinearForCausalLM``; its
+``verify_and_update_model_config`` also calls
+:func:`~vllm.models.kimi_k3.common.dsa_verify.verify_dsa_mtp_draft` for the
+``KimiK3MTPModel`` draft.
 """
 
 from __future__ import annotations
@@ -25,10 +32,13 @@ from vllm.model_executor.models.config import (
     KimiK3ForConditionalGenerationConfig,
     VerifyAndUpdateConfig,
 )
-from vllm.models.kimi_k3.common.dsa_verify import verify_dsa_vllm_config
+from vllm.models.kimi_k3.common.dsa_verify import (
+    verify_dsa_mtp_draft,
+    verify_dsa_vllm_config,
+)
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
 
 
 class KimiK3DSAVerifier(KimiK3ForConditionalGenerationConfig):
@@ -37,6 +47,18 @@ class KimiK3DSAVerifier(KimiK3ForConditionalGenerationConfig):
     @staticmethod
     def verify_and_update_config(vllm_config: VllmConfig) -> None:
         verify_dsa_vllm_config(vllm_config)
+
+
+class KimiK3MTPDSAVerifier(KimiK3DSAVerifier):
+    """The Kimi K3 verifier of the MTP draft: refuses a DSA checkpoint with
+    no MTP layer when the draft's model config is built."""
+
+    @staticmethod
+    def verify_and_update_model_config(model_config: ModelConfig) -> None:
+        KimiK3ForConditionalGenerationConfig.verify_and_update_model_config(
+            model_config
+        )
+        verify_dsa_mtp_draft(model_config)
 
 
 class KimiLinearDSAVerifier(VerifyAndUpdateConfig):
@@ -49,7 +71,7 @@ class KimiLinearDSAVerifier(VerifyAndUpdateConfig):
 
 VERIFIERS: dict[str, type[VerifyAndUpdateConfig]] = {
     "KimiK3ForConditionalGeneration": KimiK3DSAVerifier,
-    "KimiK3MTPModel": KimiK3DSAVerifier,
+    "KimiK3MTPModel": KimiK3MTPDSAVerifier,
     "KimiLinearForCausalLM": KimiLinearDSAVerifier,
 }
 

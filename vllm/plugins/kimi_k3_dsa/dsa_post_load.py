@@ -21,8 +21,16 @@ packing is idempotent, so a weight reload repeats it harmlessly. An existing
 hook, if a later vLLM adds one, runs first. Applied when the module is first
 imported.
 
+The same completeness check runs where vLLM's ``DefaultModelLoader`` would
+refuse an unquantized model with "Following weights were not initialized"
+(``track_weights_loading``, before any post-load pass): a missing DSA tensor
+is then named by its layer, its checkpoint name and what it is for, rather
+than by the vLLM parameter it fills.
+
 In-tree edit: ``def process_weights_after_loading(self): pack_dsa_projections(
-self)`` on the three classes (it checks indexer completeness first).
+self)`` on the three classes (it checks indexer completeness first), and a
+``check_dsa_indexers_complete(model)`` call before the generic refusal in
+``DefaultModelLoader.track_weights_loading``.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from vllm.plugins.kimi_k3_dsa._on_import import on_import
 
 MODEL_MODULE = "vllm.models.kimi_k3.nvidia.model"
 MTP_MODULE = "vllm.models.kimi_k3.nvidia.mtp"
+LOADER_MODULE = "vllm.model_executor.model_loader.default_loader"
 _MARK = "_kimi_k3_dsa_post_load"
 
 
@@ -64,6 +73,31 @@ def _patch_mtp(module: ModuleType) -> None:
     _add_hook(module.KimiK3MTP)
 
 
+def _patch_default_loader(module: ModuleType) -> None:
+    from vllm.models.kimi_k3.nvidia.dsa_weights import check_dsa_indexers_complete
+
+    loader_class = module.DefaultModelLoader
+    original = loader_class.track_weights_loading
+    if getattr(original, _MARK, False):
+        return
+
+    def track_weights_loading(self: Any, model: Any, *args: Any, **kwargs: Any) -> None:
+        """0.33.0's check, whose refusal is preceded by the DSA one (a no-op
+        for a model without DSA layers)."""
+        try:
+            original(self, model, *args, **kwargs)
+        except ValueError as generic:
+            try:
+                check_dsa_indexers_complete(model)
+            except ValueError as named:
+                raise named from generic
+            raise
+
+    setattr(track_weights_loading, _MARK, True)
+    loader_class.track_weights_loading = track_weights_loading
+
+
 def apply() -> None:
     on_import(MODEL_MODULE, _patch_model)
     on_import(MTP_MODULE, _patch_mtp)
+    on_import(LOADER_MODULE, _patch_default_loader)

@@ -18,19 +18,27 @@ as vLLM 0.33.0's: ``config.dsa_config is None`` and nothing else changes.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import DEEPGEMM_INDEX_HEADS
+from vllm.logger import init_logger
+from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import (
+    DEEPGEMM_INDEX_HEAD_DIMS_FP4,
+    DEEPGEMM_INDEX_HEAD_DIMS_FP8,
+    DEEPGEMM_INDEX_HEADS,
+    k_insert_unsupported,
+)
 from vllm.transformers_utils.configs.kimi_k3 import KimiK3Config
 from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+
+logger = init_logger(__name__)
 
 INDEX_K_NORM_TYPES = ("rmsnorm", "layernorm")
 # DeepGEMM's indexer MQA-logits kernels pad the heads to 32 or 64 and take no
 # more.
 MAX_INDEX_NUM_HEADS = max(DEEPGEMM_INDEX_HEADS)
-INDEX_HEAD_DIM_MULTIPLE = 32
 # vLLM 0.33.0's FlashMLA sparse backend turns each top-k row into cache slots
 # with triton_convert_req_index_to_global_index, 128 columns per tile.
 INDEX_TOPK_MULTIPLE = 128
@@ -38,6 +46,13 @@ INDEX_TOPK_MULTIPLE = 128
 # values and 64 bf16 rope values.
 SPARSE_MLA_KV_LORA_RANK = 512
 SPARSE_MLA_ROPE_DIM = 64
+# Keys of other DSA configs' shapes: DeepSeek V3.2's flat index_* keys, the
+# indexer_* keys of newer indexers, a dsa_config (or dsa_*) block. Kimi K3.1
+# reads its DSA settings from text_config.dsa_config only.
+DSA_KEY_PREFIXES = ("index_", "indexer_", "dsa_")
+DSA_BLOCK_KEYS = ("indexer", "dsa")
+# Where a multimodal config's DSA keys outside its text_config sit.
+MULTIMODAL_TOP_LEVEL = "the KimiK3ForConditionalGeneration config (outside text_config)"
 
 
 @dataclass(frozen=True)
@@ -102,14 +117,11 @@ class DSAConfig:
                 f"top-k rows to cache slots {INDEX_TOPK_MULTIPLE} columns at a "
                 f"time), got {self.index_topk}"
             )
-        if (
-            self.index_head_dim <= 0
-            or self.index_head_dim % INDEX_HEAD_DIM_MULTIPLE != 0
-        ):
+        if self.index_head_dim not in DEEPGEMM_INDEX_HEAD_DIMS_FP8:
             raise ValueError(
-                f"dsa_config.index_head_dim must be a positive multiple of "
-                f"{INDEX_HEAD_DIM_MULTIPLE} (one MXFP4 scale per 32 values), got "
-                f"{self.index_head_dim}"
+                "dsa_config.index_head_dim must be one of "
+                f"{list(DEEPGEMM_INDEX_HEAD_DIMS_FP8)} (the head dims DeepGEMM's "
+                f"fp8 MQA-logits kernels take), got {self.index_head_dim}"
             )
         if not 1 <= self.index_num_heads <= MAX_INDEX_NUM_HEADS:
             raise ValueError(
@@ -165,6 +177,69 @@ def _parse_layer_list(layers: Any) -> tuple[int, ...]:
     if len(set(layers)) != len(layers):
         raise ValueError(f"dsa_config.index_layers lists a layer twice: {list(layers)}")
     return tuple(layers)
+
+
+def _is_dsa_key(key: Any) -> bool:
+    return isinstance(key, str) and (
+        key in DSA_BLOCK_KEYS or key.startswith(DSA_KEY_PREFIXES)
+    )
+
+
+def find_dsa_keys(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The DSA-shaped keys in a raw config (nested JSON objects included), by
+    dotted path, in path order; a DSA key's own value is not searched, and a
+    null one, which sets nothing, is not counted."""
+    found: dict[str, Any] = {}
+    pending: list[tuple[str, Mapping[str, Any]]] = [(prefix, values)]
+    while pending:
+        path, mapping = pending.pop()
+        for key, value in mapping.items():
+            name = f"{path}{key}"
+            if _is_dsa_key(key):
+                if value is not None:
+                    found[name] = value
+            elif isinstance(value, Mapping):
+                pending.append((f"{name}.", value))
+    return dict(sorted(found.items()))
+
+
+def _shown(value: Any) -> str:
+    try:
+        text = json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_dsa_key_placement(
+    found: Mapping[str, Any], where: str, dsa: DSAConfig | None
+) -> None:
+    """DSA keys that Kimi K3.1 does not read where they are (``found``, from
+    :func:`find_dsa_keys` over ``where``). Without ``dsa_config`` they would
+    be served as dense Kimi K3 without a word, so they are refused; beside a
+    ``dsa_config`` the model is served from it (as the spec reads it) and
+    they are named in one warning."""
+    keys = dict(found)
+    if dsa is not None and keys.get("index_topk") == dsa.index_topk:
+        # The top-level field the config class derives from dsa_config.
+        del keys["index_topk"]
+    if not keys:
+        return
+    listed = ", ".join(f"{name}={_shown(value)}" for name, value in keys.items())
+    if dsa is None:
+        raise ValueError(
+            f"{where} carries DSA keys outside dsa_config: {listed}. Kimi K3.1 "
+            "reads its DSA settings only from text_config.dsa_config (fields "
+            f"{', '.join(f.name for f in dataclasses.fields(DSAConfig))}), so "
+            "this checkpoint would be served as dense Kimi K3. Move them into "
+            "text_config.dsa_config, or remove them to serve plain Kimi K3"
+        )
+    logger.warning_once(
+        "Kimi K3.1: %s carries DSA keys outside dsa_config, which are ignored "
+        "(the model is served from dsa_config): %s",
+        where,
+        listed,
+    )
 
 
 def full_attention_layers(text_config: KimiLinearConfig) -> tuple[int, ...]:
@@ -282,6 +357,7 @@ class KimiLinearDSAConfig(KimiLinearConfig):
     """
 
     def __init__(self, dsa_config: Mapping[str, Any] | DSAConfig | None = None, **kw):
+        misplaced = find_dsa_keys(kw)
         super().__init__(**kw)
         if isinstance(dsa_config, Mapping):
             dsa_config = DSAConfig.from_dict(dsa_config)
@@ -291,6 +367,7 @@ class KimiLinearDSAConfig(KimiLinearConfig):
                 f"{type(dsa_config).__name__}"
             )
         self.dsa_config: DSAConfig | None = dsa_config
+        check_dsa_key_placement(misplaced, "the text config", dsa_config)
         if dsa_config is not None:
             check_dsa_model(dsa_config, self)
             self.index_topk = dsa_config.index_topk
@@ -325,6 +402,11 @@ class KimiK3DSAConfig(KimiK3Config):
             )
         if isinstance(text_config, Mapping):
             text_config = KimiLinearDSAConfig(**text_config)
+        check_dsa_key_placement(
+            find_dsa_keys(kw),
+            MULTIMODAL_TOP_LEVEL,
+            getattr(text_config, "dsa_config", None),
+        )
         super().__init__(text_config=text_config, **kw)
 
 
@@ -334,13 +416,28 @@ def is_dsa_model(text_config: Any) -> bool:
 
 
 def check_mxfp4_indexer(dsa: DSAConfig) -> None:
-    """The model-side rule of MXFP4 indexer keys (the GPU rule is
-    :func:`.dsa_verify.check_indexer_kv_dtype`'s): they are written only by
-    the fused key insert (layernorm k-norm, no indexer rope)."""
+    """The model-side rules of MXFP4 indexer keys (the GPU rule is
+    :func:`.dsa_verify.check_indexer_kv_dtype`'s): they are read by DeepGEMM's
+    FP4 MQA logits, which take fewer head dims than the fp8 ones, and written
+    only by the fused key insert (layernorm k-norm, no indexer rope, the
+    shapes its kernel is built for)."""
     if not (dsa.index_k_norm_type == "layernorm" and dsa.index_rope_dim == 0):
         raise ValueError(
             "indexer_kv_dtype='mxfp4' needs the fused Kimi K3 DSA key insert "
             "(index_k_norm_type='layernorm', index_rope_dim=0), got "
             f"index_k_norm_type={dsa.index_k_norm_type!r}, "
             f"index_rope_dim={dsa.index_rope_dim}"
+        )
+    if dsa.index_head_dim not in DEEPGEMM_INDEX_HEAD_DIMS_FP4:
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' needs dsa_config.index_head_dim in "
+            f"{list(DEEPGEMM_INDEX_HEAD_DIMS_FP4)} (the head dims DeepGEMM's FP4 "
+            f"MQA-logits kernels take), got index_head_dim {dsa.index_head_dim}"
+        )
+    unsupported = k_insert_unsupported(dsa.index_head_dim, dsa.index_num_heads)
+    if unsupported:
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' needs the fused Kimi K3 DSA key insert, "
+            "the only writer of MXFP4 keys, which cannot take "
+            f"{'; '.join(unsupported)}. Use indexer_kv_dtype='fp8'"
         )

@@ -20,6 +20,10 @@ EXPERIMENTAL_DCP_ENV = "VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP"
 # on SM90 too (SM10x always reads them so): the Blackwell page path, on Hopper.
 MLA_KERNEL_PAGES_ENV = "VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES"
 _ENV_BOOLS = {"0": False, "false": False, "1": True, "true": True}
+# Every switch above: each is parsed when a config is verified
+# (:func:`check_env_switches`), not first when a layer, the cache or vLLM's
+# compile cache happens to read it.
+ENV_SWITCHES = (FORCE_WRAPPER_ENV, EXPERIMENTAL_DCP_ENV, MLA_KERNEL_PAGES_ENV)
 
 
 def _env_flag(name: str) -> bool:
@@ -32,6 +36,14 @@ def _env_flag(name: str) -> bool:
             f"{sorted(_ENV_BOOLS)}"
         )
     return value
+
+
+def check_env_switches() -> None:
+    """Parse every switch of ours, so that a value we do not understand is
+    refused at startup, naming it, even when nothing would read it until the
+    model is built (or ever, in this configuration)."""
+    for name in ENV_SWITCHES:
+        _env_flag(name)
 
 
 def force_wrapper_forward() -> bool:

@@ -26,7 +26,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.models.kimi_k3.common.dsa_kv_plan_inputs import PlanError, draft_mla_dims
+from vllm.models.kimi_k3.common.dsa_kv_plan_inputs import (
+    PlanError,
+    draft_mla_dims,
+    one_line,
+)
 
 if TYPE_CHECKING:
     from vllm.models.kimi_k3.common.dsa_config import KimiLinearDSAConfig
@@ -101,8 +105,10 @@ def make_plan(
     """The plan for a text config checked by :func:`build_text_config`."""
     from vllm.models.kimi_k3.common import dsa_block_size, dsa_cache
     from vllm.models.kimi_k3.common.dsa_verify import (
+        check_dsa_deployment,
         indexer_kv_dtype_is_fp4,
         resolve_dsa_cache_dtype,
+        verify_max_model_len,
     )
 
     # The flags, on their own.
@@ -156,8 +162,18 @@ def make_plan(
         use_fp4 = indexer_kv_dtype_is_fp4(indexer_kv_dtype, dsa, "--indexer-kv-dtype")
     except ValueError as exc:
         raise PlanError(str(exc)) from None
-    if max_model_len is None:
-        max_model_len = text_config.max_position_embeddings
+    # What vllm serve refuses for these flags, by the same functions: vLLM's
+    # own max_model_len check, then the DSA rules the config verifier runs.
+    try:
+        max_model_len = verify_max_model_len(text_config, max_model_len)
+    except ValueError as exc:
+        raise PlanError(f"--max-model-len: {one_line(exc)}") from None
+    try:
+        check_dsa_deployment(
+            text_config, max_model_len=max_model_len, tensor_parallel_size=tp
+        )
+    except (ValueError, NotImplementedError) as exc:
+        raise PlanError(f"{config_name}: {one_line(exc)}") from None
 
     # What the engine sizes the packed cache with (target_mla_bytes_per_token,
     # dense_mla_draft_bytes_per_token, packed_dsa_block_size), on numbers.

@@ -181,9 +181,12 @@ def build_text_config(raw: Any, name: str) -> KimiLinearDSAConfig:
     fail on them with messages that name no field.
     """
     from vllm.models.kimi_k3.common.dsa_config import (
+        MULTIMODAL_TOP_LEVEL,
         KimiK3DSAConfig,
         KimiLinearDSAConfig,
+        check_dsa_key_placement,
         check_dsa_serving,
+        find_dsa_keys,
     )
 
     raw = _require_object(name, raw)
@@ -210,6 +213,17 @@ def build_text_config(raw: Any, name: str) -> KimiLinearDSAConfig:
     # KimiK3DSAConfig below, with a message that says where it belongs.
     misplaced_dsa = multimodal and raw.get("dsa_config") is not None
     if text.get("dsa_config") is None and not misplaced_dsa:
+        # DSA keys elsewhere are refused as vllm serve refuses them, saying
+        # where they are; without any, the model is plain Kimi K3.
+        try:
+            check_dsa_key_placement(find_dsa_keys(text), "the text config", None)
+            if multimodal:
+                outside = {k: v for k, v in raw.items() if k != "text_config"}
+                check_dsa_key_placement(
+                    find_dsa_keys(outside), MULTIMODAL_TOP_LEVEL, None
+                )
+        except ValueError as e:
+            raise PlanError(f"{name}: {one_line(e)}") from e
         raise PlanError(f"{name} is not a Kimi K3.1 DSA config: it has no dsa_config")
     if text.get("linear_attn_config") is None:
         raise PlanError(

@@ -5,9 +5,13 @@
 verifier; see the ``vllm.plugins.kimi_k3_dsa`` seams), before the model or any
 cache exists: it refuses what an engine configuration cannot serve correctly
 with a DSA model (the platform, prefill and decode context parallelism, the
-decode backend, the indexer key dtype, drafts with kernel pages) and forces the
-``fp8_ds_mla`` cache. The model's own rules are :mod:`.dsa_config`'s; what the
-accepted configuration resolves to is :mod:`.dsa_settings`'.
+decode backend, the indexer key dtype and head dim per GPU, drafts with kernel
+pages, top-k against ``max_model_len``, FlashMLA sparse's heads per rank, the
+top-k buffer against the GPU memory budget) and forces the ``fp8_ds_mla``
+cache. :func:`check_dsa_deployment` is the part that needs no ``VllmConfig``,
+shared with the KV plan command. The model's own rules are
+:mod:`.dsa_config`'s; what the accepted configuration resolves to is
+:mod:`.dsa_settings`'.
 """
 
 from __future__ import annotations
@@ -24,13 +28,17 @@ from vllm.models.kimi_k3.common.dsa_config import (
 )
 from vllm.models.kimi_k3.common.dsa_envs import (
     EXPERIMENTAL_DCP_ENV,
+    FORCE_WRAPPER_ENV,
     MLA_KERNEL_PAGES_ENV,
+    check_env_switches,
     experimental_dcp,
+    force_wrapper_forward,
     mla_kernel_pages_in_use,
 )
+from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import KERNEL_INDEX_HEAD_DIM
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
 
 logger = init_logger(__name__)
 
@@ -47,6 +55,15 @@ DSA_CACHE_DTYPES: dict[str, str] = {
 }
 # Indexer key dtypes (--attention-config '{"indexer_kv_dtype": ...}').
 DSA_INDEXER_KV_DTYPES = ("auto", "fp8", "mxfp4")
+# FlashMLA sparse's fp8 decode kernel runs 64 or 128 query heads; vLLM 0.33.0
+# pads a rank's heads up to one of them (FlashMLASparseImpl).
+SPARSE_MLA_MAX_HEADS_PER_RANK = 128
+# The model-level top-k buffer is one activation of the forward; above this
+# share of the memory vLLM may use on a GPU it crowds out the weights and the
+# KV cache (Kimi K3.1's 2048 x 65536 tokens is 512 MiB).
+TOPK_BUFFER_MAX_BUDGET_SHARE = 10
+TOPK_INDEX_BYTES = 4  # int32
+GIB = 2**30
 ROCM_REASON = (
     "Kimi-K3.1 DSA requires the CUDA FlashMLA sparse / DeepGEMM indexer "
     "kernels; ROCm is not supported."
@@ -130,7 +147,14 @@ def check_indexer_kv_dtype(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
 
     requested = getattr(vllm_config.attention_config, "indexer_kv_dtype", "auto")
     if not indexer_kv_dtype_is_fp4(requested, dsa):
+        check_sm10x_fp8_index_head_dim(dsa)
         return
+    if force_wrapper_forward():
+        raise ValueError(
+            f"indexer_kv_dtype='mxfp4' cannot be served with {FORCE_WRAPPER_ENV}=1: "
+            "the wrapper forward writes keys with vLLM's insert, which writes fp8 "
+            "only. Use indexer_kv_dtype='fp8', or unset the switch"
+        )
     if current_platform.is_cuda() and not current_platform.is_device_capability_family(
         100
     ):
@@ -139,6 +163,133 @@ def check_indexer_kv_dtype(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
             f"logits); this GPU is SM{current_platform.get_device_capability()}. "
             "Use indexer_kv_dtype='fp8' (or 'auto')."
         )
+
+
+def check_sm10x_fp8_index_head_dim(dsa: DSAConfig) -> None:
+    """On SM10x DeepGEMM reads fp8 indexer keys with MX (UE8M0) scales, which
+    vLLM 0.33.0's key insert writes at head dim 128 only ("mxfp8 scales
+    require head_dim == quant_block_size == 128"), as our fused insert does."""
+    from vllm.platforms import current_platform
+
+    if not (
+        current_platform.is_cuda() and current_platform.is_device_capability_family(100)
+    ):
+        return
+    if dsa.index_head_dim != KERNEL_INDEX_HEAD_DIM:
+        raise ValueError(
+            f"dsa_config.index_head_dim {dsa.index_head_dim} cannot serve fp8 "
+            f"indexer keys on SM10x: accepted: {KERNEL_INDEX_HEAD_DIM} (DeepGEMM "
+            "reads MX-scaled fp8 keys there, which vLLM's key insert and ours "
+            f"write at head dim {KERNEL_INDEX_HEAD_DIM} only)"
+        )
+
+
+def check_topk_within_max_model_len(dsa: DSAConfig, max_model_len: int) -> None:
+    """A request holds at most ``max_model_len`` tokens to select from, and
+    the indexer's decode logits are ``max_model_len`` columns wide: a wider
+    top-k selects past every row."""
+    if dsa.index_topk > max_model_len:
+        raise ValueError(
+            f"dsa_config.index_topk ({dsa.index_topk}) must not exceed "
+            f"max_model_len ({max_model_len}): no request holds more tokens to "
+            "select from, and the indexer's decode logits are max_model_len "
+            f"columns wide. Serve with --max-model-len of at least {dsa.index_topk}"
+        )
+
+
+def check_sparse_mla_heads(num_heads: int, tensor_parallel_size: int) -> None:
+    """FlashMLA sparse's fp8 decode kernel runs at most
+    :data:`SPARSE_MLA_MAX_HEADS_PER_RANK` query heads per rank."""
+    per_rank = -(-num_heads // tensor_parallel_size)
+    if per_rank > SPARSE_MLA_MAX_HEADS_PER_RANK:
+        min_tp = -(-num_heads // SPARSE_MLA_MAX_HEADS_PER_RANK)
+        raise ValueError(
+            f"num_attention_heads {num_heads} at tensor_parallel_size "
+            f"{tensor_parallel_size} gives {per_rank} attention heads per rank; "
+            f"FlashMLA sparse takes at most {SPARSE_MLA_MAX_HEADS_PER_RANK} (its "
+            "fp8 decode kernel runs 64 or 128 query heads). Use a "
+            f"tensor_parallel_size of at least {min_tp}"
+        )
+
+
+def check_dsa_deployment(
+    text_config: Any, *, max_model_len: int, tensor_parallel_size: int
+) -> None:
+    """The rules a DSA model and the flags it is served with must meet before
+    anything is built, shared by the config verifier and the KV plan command
+    (``kimi-k3-dsa-kv-plan``), so the plan refuses what ``vllm serve``
+    refuses: the model's own rules, what vLLM 0.33.0's kernels and decoder
+    take, top-k against ``max_model_len``, FlashMLA sparse's heads per rank."""
+    dsa: DSAConfig = text_config.dsa_config
+    check_dsa_model(dsa, text_config)
+    check_dsa_serving(text_config)
+    check_topk_within_max_model_len(dsa, max_model_len)
+    check_sparse_mla_heads(text_config.num_attention_heads, tensor_parallel_size)
+
+
+def verify_max_model_len(text_config: Any, max_model_len: int | None) -> int:
+    """The ``max_model_len`` vLLM 0.33.0 serves ``text_config`` with, by its
+    own check (``ModelConfig.get_and_verify_max_len``: the model's
+    ``max_position_embeddings`` and rope scaling, ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``),
+    for a caller without a ``ModelConfig``: the KV plan command, which must
+    refuse the ``--max-model-len`` that ``vllm serve`` refuses."""
+    from vllm.config.model import _get_and_verify_max_len
+    from vllm.transformers_utils.model_arch_config_convertor import (
+        MODEL_ARCH_CONFIG_CONVERTORS,
+        ModelArchConfigConvertorBase,
+    )
+
+    convertor_cls = MODEL_ARCH_CONFIG_CONVERTORS.get(
+        text_config.model_type, ModelArchConfigConvertorBase
+    )
+    return _get_and_verify_max_len(
+        hf_config=text_config,
+        model_arch_config=convertor_cls(text_config, text_config).convert(),
+        tokenizer_config=None,
+        max_model_len=max_model_len,
+        disable_sliding_window=False,
+        sliding_window=None,
+    )
+
+
+def check_topk_buffer_budget(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
+    """The model-level top-k buffer (rows x ``index_topk`` x 4 B, int32) is
+    allocated when the model is built: check it against the memory vLLM may
+    use on the GPU first (``gpu_memory_utilization`` of its total), so that a
+    ``max_num_batched_tokens`` or top-k that would take tens of GB is refused
+    with its numbers instead of failing, or starving the KV cache, later."""
+    from vllm.models.kimi_k3.common.dsa_settings import topk_indices_buffer_rows
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return
+    try:
+        total = current_platform.get_device_total_memory()
+    except Exception:
+        # As vLLM's own query in EngineArgs: the process that verifies the
+        # config need not sit on a GPU that serves (Ray); nothing to check.
+        return
+    utilization = vllm_config.cache_config.gpu_memory_utilization
+    budget = int(total * utilization)
+    rows = topk_indices_buffer_rows(vllm_config)
+    row_bytes = dsa.index_topk * TOPK_INDEX_BYTES
+    size = rows * row_bytes
+    if size * TOPK_BUFFER_MAX_BUDGET_SHARE <= budget:
+        return
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    slack = rows - tokens
+    shown_rows = f"max_num_batched_tokens {tokens}" + (
+        f" + {slack} DCP slack rows" if slack else ""
+    )
+    max_tokens = budget // TOPK_BUFFER_MAX_BUDGET_SHARE // row_bytes - slack
+    raise ValueError(
+        f"the model-level top-k buffer ({shown_rows} x dsa_config.index_topk "
+        f"{dsa.index_topk} x {TOPK_INDEX_BYTES} B = {size / GIB:.2f} GiB) would "
+        f"take more than 1/{TOPK_BUFFER_MAX_BUDGET_SHARE} of the GPU memory vLLM "
+        f"may use (gpu_memory_utilization {utilization} x {total / GIB:.2f} GiB "
+        f"= {budget / GIB:.2f} GiB), leaving the weights and the KV cache short. "
+        f"Use --max-num-batched-tokens of at most {max(max_tokens, 0)}"
+    )
 
 
 def check_decode_backend(vllm_config: VllmConfig) -> None:
@@ -206,14 +357,19 @@ def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
         raise NotImplementedError(ROCM_REASON)
     if current_platform.is_xpu():
         raise NotImplementedError(XPU_REASON)
+    check_env_switches()
     dsa: DSAConfig = text_config.dsa_config
     check_dsa_pcp(vllm_config.parallel_config)
     check_decode_backend(vllm_config)
-    check_dsa_model(dsa, text_config)
-    check_dsa_serving(text_config)
+    check_dsa_deployment(
+        text_config,
+        max_model_len=model_config.max_model_len,
+        tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
+    )
     check_indexer_kv_dtype(vllm_config, dsa)
     check_dsa_parallelism(vllm_config, dsa)
     check_mla_kernel_pages(vllm_config)
+    check_topk_buffer_budget(vllm_config, dsa)
     cache_config = vllm_config.cache_config
     requested = cache_config.cache_dtype
     resolved = resolve_dsa_cache_dtype(requested)
@@ -224,3 +380,24 @@ def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
             requested,
         )
         cache_config.cache_dtype = resolved
+
+
+def verify_dsa_mtp_draft(model_config: ModelConfig) -> None:
+    """Refuse an MTP draft of a Kimi K3.1 checkpoint that has no MTP layer.
+
+    Runs when the draft's model config is built (its model verifier), before
+    vLLM 0.33.0's ``SpeculativeConfig`` divides ``num_speculative_tokens`` by
+    the draft's layer count (``ZeroDivisionError`` at 0, which is also the
+    default when the key is absent) or builds a draft with no layer (null).
+    """
+    text_config = getattr(model_config, "hf_text_config", None)
+    if not is_dsa_model(text_config):
+        return
+    layers = getattr(text_config, "num_nextn_predict_layers", None)
+    if type(layers) is not int or layers < 1:
+        raise ValueError(
+            f"text_config.num_nextn_predict_layers is {layers!r}: an MTP draft "
+            "needs a positive integer (the checkpoint's MTP layers), and this "
+            "checkpoint has no MTP layer to draft with. Serve it without "
+            "--speculative-config, or use a checkpoint with MTP layers"
+        )

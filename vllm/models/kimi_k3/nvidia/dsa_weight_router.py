@@ -3,10 +3,12 @@
 
 :class:`DSAWeightRouter` maps the checkpoint's indexer names (and the MLA
 input projections a DSA layer stacks into ``fused_qkv_a_proj``) to the
-parameter or shard they fill, checks each tensor's shape against it before
-any weight loader runs, dequantizes an fp8 ``wq_b`` / ``wk`` bound for a bf16
-parameter, and records per layer what arrived, so that an incomplete indexer
-is refused by name after loading (:func:`raise_incomplete_indexers`). The
+parameter or shard they fill, checks each tensor's shape and dtype against it
+before any weight loader runs (the loaders cast on copy: a quantized tensor
+without its scale would load as if it were the weights), dequantizes an fp8
+``wq_b`` / ``wk`` bound for a bf16 parameter, and records per layer what
+arrived, so that an incomplete indexer is refused after loading, each missing
+tensor named with what it is for (:func:`raise_incomplete_indexers`). The
 naming table is :mod:`.dsa_weights`'.
 """
 
@@ -44,6 +46,26 @@ FUSED_QKV_A_CHECKPOINT_NAMES: dict[str, int] = {
 UPCAST_INDEXER_PROJECTIONS = ("wq_b", "wk")
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
 FP8_BLOCK = 128
+# Checkpoint module -> what it is for (named when one of its tensors is
+# missing, or of a dtype its parameter cannot take).
+CHECKPOINT_PURPOSES: dict[str, str] = {
+    "wq_b": "the indexer's query projection",
+    "wk": "the indexer's key projection",
+    "weights_proj": "the indexer's per-head score weights",
+    "k_norm": "the indexer's key norm, applied to every key before it is cached",
+    "q_a_proj": "the MLA query down-projection",
+    "kv_a_proj_with_mqa": "the MLA latent down-projection",
+}
+# Parameter leaf -> which part of its module it is.
+_PARAMETER_ROLES: dict[str, str] = {
+    "weight": "weight",
+    "bias": "bias",
+    "weight_scale_inv": "fp8 weight's scales",
+    "weight_scale": "fp8 weight's scales",
+}
+# Unquantized dtypes: a tensor of any other (fp8, fp4, int8, packed uint8)
+# holds quantized values that only mean something with their scale.
+_UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # Checkpoint module -> what its rows mean (for the shape error messages).
 CHECKPOINT_ROW_MEANINGS: dict[str, str] = {
     "wq_b": "index_num_heads*index_head_dim",
@@ -79,6 +101,22 @@ class DSALayerLoadState:
             f"{self.checkpoint_prefix}{CHECKPOINT_INDEXER}.{t}"
             for t in self.expected - self.seen
         )
+
+    def missing_described(self) -> list[str]:
+        """:meth:`missing`, each with what the tensor is for."""
+        return [
+            f"'{self.checkpoint_prefix}{CHECKPOINT_INDEXER}.{t}' ({describe(t)})"
+            for t in sorted(self.expected - self.seen)
+        ]
+
+
+def describe(tensor: str) -> str:
+    """What checkpoint tensor ``{module}.{leaf}`` (relative to a layer's
+    ``indexer.``, or its ``self_attn.``) is for."""
+    module, _, leaf = tensor.partition(".")
+    role = _PARAMETER_ROLES.get(leaf, leaf)
+    purpose = CHECKPOINT_PURPOSES.get(module, module)
+    return f"the {role} of {purpose}"
 
 
 LOAD_STATE_ATTR = "dsa_checkpoint_state"
@@ -340,6 +378,13 @@ class DSAWeightRouter:
             return None
         state = self.states[ckpt]
         state.touched = True
+        if not is_fp8_weight and loaded_weight.dtype not in _SCALE_DTYPES:
+            raise ValueError(
+                f"Kimi K3.1 DSA layer '{state.label}': checkpoint tensor '{name}' "
+                f"({describe(f'{sub}.{suffix}')}) is "
+                f"{_dtype_name(loaded_weight.dtype)}; accepted: float32, "
+                "bfloat16 or float16 scales, or UE8M0 (uint8, float8_e8m0fnu)"
+            )
         expected = expected_checkpoint_shape(attn, sub, "weight", target, param, shard)
         if expected is not None:
             if is_fp8_weight:
@@ -393,9 +438,40 @@ class DSAWeightRouter:
         )
         if expected is not None:
             self._check_shape(dest.ckpt, name, loaded_weight, expected)
+        self._check_dtype(dest, name, loaded_weight)
         self._load_into(dest.target, loaded_weight, dest.shard)
         self._mark_seen(dest)
         return dest.target
+
+    def _check_dtype(
+        self, dest: _Destination, name: str, loaded_weight: torch.Tensor
+    ) -> None:
+        """Refuse a tensor whose dtype its parameter cannot take as it is:
+        the weight loaders copy with a cast, so quantized values into an
+        unquantized parameter (or the reverse) would load without their
+        scale and serve wrong. Scales are left to vLLM's loader."""
+        if dest.param_suffix not in ("weight", "bias"):
+            return
+        param = self.params_dict[dest.target]
+        got, wanted = loaded_weight.dtype, param.dtype
+        param_quantized = wanted not in _UNQUANTIZED_DTYPES
+        if param_quantized:
+            if got == wanted:
+                return
+            accepted = f"a {_dtype_name(wanted)} weight with its weight_scale_inv"
+        else:
+            if got in _UNQUANTIZED_DTYPES:
+                return
+            accepted = "bfloat16, float16 or float32"
+            if dest.source in UPCAST_INDEXER_PROJECTIONS and got in _FP8_DTYPES:
+                accepted += " (or an fp8 weight with its weight_scale_inv)"
+        what = describe(f"{dest.source}.{dest.param_suffix}")
+        raise ValueError(
+            f"Kimi K3.1 DSA layer '{self.states[dest.ckpt].label}': checkpoint "
+            f"tensor '{name}' ({what}) is {_dtype_name(got)}, which parameter "
+            f"'{dest.target}' ({_dtype_name(wanted)}) cannot take without a scale "
+            f"that fits it; accepted: {accepted}"
+        )
 
     def check_complete(self) -> None:
         """:func:`check_dsa_indexers_complete` over this router's layers."""
@@ -410,20 +486,34 @@ def raise_incomplete_indexers(states: Iterable[DSALayerLoadState]) -> None:
             have = sorted(name for name, _ in entry.values())
             raise ValueError(
                 f"Kimi K3.1 DSA layer '{state.label}': the checkpoint has "
-                f"{have} but not the other half of the fp8 indexer.{sub} (an "
-                "fp8 weight needs its weight_scale_inv and a scale needs an fp8 "
-                "weight)"
+                f"{have} but not the other half of the fp8 indexer.{sub} "
+                f"({CHECKPOINT_PURPOSES[sub]}): an fp8 weight needs its "
+                "weight_scale_inv and a scale needs an fp8 weight"
             )
-        missing = state.missing()
+        missing = state.missing_described()
         if missing:
             raise ValueError(
                 f"Kimi K3.1 DSA layer '{state.label}': the checkpoint lacks "
-                f"indexer tensor(s) {missing} (a Kimi K3 checkpoint without DSA "
-                "weights cannot be served as Kimi K3.1)"
+                f"indexer tensor(s) {', '.join(missing)} (a Kimi K3 checkpoint "
+                "without DSA weights cannot be served as Kimi K3.1)"
             )
 
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+# The scale dtypes dequantize_fp8_block reads: floats, or UE8M0 exponents.
+_SCALE_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.uint8,
+    torch.float8_e8m0fnu,
+)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _fp8_block(size: int, num_scales: int) -> int:

@@ -19,6 +19,11 @@ KERNEL_ROW_ALIGN_ELEMENTS = 8
 # The head counts DeepGEMM's indexer MQA-logits kernels run at (the indexer's
 # heads are zero-padded up to the first that holds them).
 DEEPGEMM_INDEX_HEADS = (32, 64)
+# The indexer head dims DeepGEMM's MQA-logits kernels (the fp8_fp4 ones vLLM
+# 0.33.0 ships, SM90 and SM100) take, per key format: fp8 keys 32, 64 or 128;
+# MXFP4 keys 64 or 128.
+DEEPGEMM_INDEX_HEAD_DIMS_FP8 = (32, 64, 128)
+DEEPGEMM_INDEX_HEAD_DIMS_FP4 = (64, 128)
 
 
 def k_insert_unsupported(index_head_dim: int, index_num_heads: int) -> list[str]:
