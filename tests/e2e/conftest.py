@@ -82,6 +82,23 @@ def tiny_real_attention(e2e_dir: Path) -> Path:
 ENGINE_SPECS = pytest.StashKey[dict[str, Any]]()
 
 
+def report_run(report: Callable[..., None], run: Any) -> None:
+    """One ``engine_run`` record: what a run was, how long it took, what its
+    DSA layers ran and what it generated."""
+    report(
+        "engine_run",
+        label=run.label,
+        load_s=round(run.load_s, 1),
+        first_token_s=round(run.first_token_s, 3),
+        forward_paths=run.forward_paths,
+        model_runner=run.model_runner,
+        prompt_paths=run.prompt_paths,
+        batched_paths=run.batched_paths,
+        tokens=[c.tokens for c in run.completions],
+        engine_kwargs=run.engine_kwargs,
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     """Gather the engine runs the selected tests compare (their ``engines``
     markers, looked up in their module's ``ENGINES``), so that the session
@@ -152,18 +169,7 @@ def one_gpu_runs(engine_pool, report: Callable[..., None]) -> Any:
         def run(self, label: str) -> EngineRun:
             if label not in runs:
                 run = EngineRun.from_json(engine_pool.result(label))
-                report(
-                    "engine_run",
-                    label=run.label,
-                    load_s=round(run.load_s, 1),
-                    first_token_s=round(run.first_token_s, 3),
-                    forward_paths=run.forward_paths,
-                    model_runner=run.model_runner,
-                    prompt_paths=run.prompt_paths,
-                    batched_paths=run.batched_paths,
-                    tokens=[c.tokens for c in run.completions],
-                    engine_kwargs=run.engine_kwargs,
-                )
+                report_run(report, run)
                 # vLLM 0.33.0 runs V2 wherever Triton does: a V1 run here
                 # would test a runner no GPU user gets.
                 assert run.model_runner == V2_MODEL_RUNNER, (label, run.model_runner)
@@ -203,17 +209,7 @@ def engine_runs(report: Callable[..., None]) -> Callable[..., Any]:
     def get(label: str, model: Path, prompt_ids: list[list[int]], **kwargs: Any):
         if label not in cache:
             run = run_llm(label, model, prompt_ids, **kwargs)
-            report(
-                "engine_run",
-                label=run.label,
-                load_s=round(run.load_s, 1),
-                first_token_s=round(run.first_token_s, 3),
-                forward_paths=run.forward_paths,
-                model_runner=run.model_runner,
-                prompt_paths=run.prompt_paths,
-                tokens=[c.tokens for c in run.completions],
-                engine_kwargs=run.engine_kwargs,
-            )
+            report_run(report, run)
             cache[label] = run
         return cache[label]
 
