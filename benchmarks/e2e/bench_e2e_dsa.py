@@ -1,0 +1,486 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""End-to-end latency of the DSA layer against dense MLA, through ``vllm.LLM``.
+
+Three engines on the same real-attention tiny checkpoint (Kimi K3.1's 96 MLA
+heads and its 32 x 128 indexer, the rest small): ``fused`` (our fused forward),
+``wrapper`` (``VLLM_KIMI_K3_DSA_FORCE_WRAPPER=1``: upstream ops only) and
+``dense`` (the same checkpoint written without ``dsa_config``: plain Kimi K3
+MLA). Each row is ``batch`` random-token prompts of ``input_len`` tokens and
+``output_len`` sampled tokens with ``ignore_eos``: the loop of
+``vllm bench latency`` (its ``SamplingParams``, prefix caching off), but one
+engine serves every row: an engine start costs 30-200 s, and a GPU sitting
+holds a machine for 30 minutes. Spread comes from ``--starts`` engine starts
+per mode, run interleaved (start 1 of every mode, then start 2, ...), and
+``--iters`` repeats of each row inside a start.
+
+Times are vLLM's own stats (``disable_log_stats=False``), engine-core
+timestamps. TTFT is each request's ``first_token_latency`` (for a batch, the
+later prompts queue behind the earlier ones' prefill). The decode step is the
+median inter-token latency over the steps in which every request of the row
+decodes and none prefills (``IterationStats``: ``batch`` new tokens, no first
+token, ``batch`` requests running), read through the engine's stat-logger
+manager; a row's decode rate is ``batch / step`` tokens/s. Chunked prefill
+overlaps decode otherwise, so ``--max-num-batched-tokens`` (the same for every
+mode) sets how many steps the prefill takes and thus how many pure-decode
+steps remain. ``vllm bench latency`` itself reports only the whole batch's
+wall time; ``--vllm-bench-latency`` runs it once per mode for the first row,
+as a cross-check.
+
+    python benchmarks/e2e/bench_e2e_dsa.py --out build/e2e_bench \\
+        --input-lens 8192 32768 131072 --batch-sizes 1 16 64 --output-len 256
+
+``--dry-run`` prints the plan (engines, rows, tokens to prefill) and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODES = ("fused", "wrapper", "dense")
+FORCE_WRAPPER_ENV = "VLLM_KIMI_K3_DSA_FORCE_WRAPPER"
+TINY_CHECKPOINT_COMMAND = "kimi-k3-dsa-tiny-checkpoint"
+
+
+@dataclass(frozen=True)
+class Row:
+    input_len: int
+    batch: int
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.input_len * self.batch
+
+
+def plan_rows(
+    input_lens: list[int], batch_sizes: list[int], max_prefill_tokens: int
+) -> tuple[list[Row], list[Row]]:
+    """The grid's rows, and those left out because one iteration would prefill
+    more than ``max_prefill_tokens`` (dense MHA prefill is quadratic: 64 x 128K
+    would take minutes a repeat)."""
+    rows, skipped = [], []
+    for input_len in input_lens:
+        for batch in batch_sizes:
+            row = Row(input_len, batch)
+            (rows if row.prefill_tokens <= max_prefill_tokens else skipped).append(row)
+    return rows, skipped
+
+
+def engine_order(modes: list[str], starts: int) -> list[tuple[int, str]]:
+    """Interleaved engine starts: every mode's first start, then the second;
+    the mode order rotates so no mode always runs on the warmest caches."""
+    order = []
+    for start in range(starts):
+        shift = start % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            order.append((start, mode))
+    return order
+
+
+def request_times(metrics: Any, output_len: int) -> dict[str, float]:
+    """TTFT and TPOT of one finished request from vLLM's ``RequestStateStats``."""
+    if metrics is None:
+        raise RuntimeError(
+            "RequestOutput.metrics is None: the engine must run with "
+            "disable_log_stats=False"
+        )
+    generated = metrics.num_generation_tokens
+    if generated != output_len:
+        raise RuntimeError(f"a request generated {generated} tokens, not {output_len}")
+    tpot = (metrics.last_token_ts - metrics.first_token_ts) / max(generated - 1, 1)
+    return {"ttft_s": metrics.first_token_latency, "tpot_s": tpot}
+
+
+@dataclass
+class StepLog:
+    """Every engine step's decode counts and inter-token latencies."""
+
+    steps: list[tuple[int, int, int, list[float]]] = field(default_factory=list)
+
+    def add(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        if iteration_stats is None or scheduler_stats is None:
+            return
+        self.steps.append(
+            (
+                iteration_stats.num_generation_tokens,
+                len(iteration_stats.time_to_first_tokens_iter),
+                scheduler_stats.num_running_reqs,
+                list(iteration_stats.inter_token_latencies_iter),
+            )
+        )
+
+    def pure_decode_itls(self, batch: int) -> list[float]:
+        """ITLs of the steps where all ``batch`` requests decode, none prefills."""
+        return [
+            itl
+            for new_tokens, first_tokens, running, itls in self.steps
+            if new_tokens == batch and first_tokens == 0 and running == batch
+            for itl in itls
+        ]
+
+
+def attach_step_log(llm: Any) -> StepLog:
+    """Record each step's stats as vLLM's ``StatLoggerManager`` receives them."""
+    manager = llm.llm_engine.logger_manager
+    if manager is None:
+        raise RuntimeError("the engine has no stat loggers: disable_log_stats=False")
+    log = StepLog()
+    record = manager.record
+
+    def recording(scheduler_stats: Any, iteration_stats: Any, *a: Any, **k: Any):
+        log.add(scheduler_stats, iteration_stats)
+        return record(scheduler_stats, iteration_stats, *a, **k)
+
+    manager.record = recording
+    return log
+
+
+def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (input, batch, mode): medians over every repeat and start, the spread
+    of the per-start decode rates, and the ratios to dense."""
+    groups: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["input_len"], r["batch"], r["mode"]), []).append(r)
+    out = []
+    for (input_len, batch, mode), recs in sorted(groups.items()):
+        per_start: dict[int, list[float]] = {}
+        for r in recs:
+            per_start.setdefault(r["start"], []).extend(r["decode_itl_s"])
+        step_starts = [v for v in per_start.values() if v]
+        steps = [t for v in step_starts for t in v]
+        summary = {
+            "input_len": input_len,
+            "batch": batch,
+            "mode": mode,
+            "ttft_ms": 1e3 * statistics.median(t for r in recs for t in r["ttft_s"]),
+            "tpot_ms": 1e3 * statistics.median(t for r in recs for t in r["tpot_s"]),
+            "decode_steps": len(steps),
+            "starts": len(per_start),
+        }
+        if steps:
+            rates = [batch / statistics.median(v) for v in step_starts]
+            summary |= {
+                "step_ms": 1e3 * statistics.median(steps),
+                "decode_tok_s": batch / statistics.median(steps),
+                "decode_tok_s_min": min(rates),
+                "decode_tok_s_max": max(rates),
+            }
+        out.append(summary)
+    dense = {(s["input_len"], s["batch"]): s for s in out if s["mode"] == "dense"}
+    for s in out:
+        ref = dense.get((s["input_len"], s["batch"]))
+        if ref is None or s["mode"] == "dense":
+            continue
+        s["ttft_x_dense"] = s["ttft_ms"] / ref["ttft_ms"]
+        if "decode_tok_s" in s and "decode_tok_s" in ref:
+            s["decode_x_dense"] = s["decode_tok_s"] / ref["decode_tok_s"]
+    return out
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def print_summary(summary: list[dict[str, Any]]) -> None:
+    print(
+        f"{'input':>7} {'B':>3} {'mode':>8} {'TTFT ms':>9} {'step ms':>8} "
+        f"{'steps':>6} {'decode tok/s':>13} {'(min-max)':>13} {'x dense':>8} "
+        f"{'TTFT/dense':>10}"
+    )
+    for s in summary:
+        if "decode_tok_s" in s:
+            step = f"{s['step_ms']:.3f}"
+            rate = f"{s['decode_tok_s']:.0f}"
+            spread = f"{s['decode_tok_s_min']:.0f}-{s['decode_tok_s_max']:.0f}"
+        else:
+            step = rate = spread = "-"
+        x = _ratio(s.get("decode_x_dense"))
+        t = _ratio(s.get("ttft_x_dense"))
+        print(
+            f"{s['input_len']:>7} {s['batch']:>3} {s['mode']:>8} {s['ttft_ms']:>9.1f} "
+            f"{step:>8} {s['decode_steps']:>6} {rate:>13} {spread:>13} {x:>8} {t:>10}"
+        )
+
+
+# -- the engine process -------------------------------------------------------
+
+
+def engine_kwargs(model: str, max_len: int, args: argparse.Namespace) -> dict:
+    """``vllm.LLM``'s arguments, the same for every mode: only the checkpoint
+    and the wrapper switch differ."""
+    return {
+        "model": model,
+        "skip_tokenizer_init": True,
+        "enable_prefix_caching": False,
+        "max_model_len": max_len,
+        "hf_overrides": {"max_position_embeddings": max_len},
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "disable_log_stats": False,
+        "seed": args.start,
+    }
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    """One engine start: every row, ``--iters`` repeats after one warm-up,
+    one JSON line per repeat appended to ``--records``."""
+    import numpy as np
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rows = [Row(*map(int, r.split("x"))) for r in args.rows]
+    max_len = max(r.input_len for r in rows) + args.output_len
+    llm = LLM(**engine_kwargs(args.model, max_len, args))
+    step_log = attach_step_log(llm)
+    params = SamplingParams(
+        temperature=1.0,
+        top_p=1.0,
+        ignore_eos=True,
+        max_tokens=args.output_len,
+        detokenize=False,
+    )
+    rng = np.random.default_rng(1000 + args.start)
+    with open(args.records, "a") as f:
+        for row in rows:
+            for it in range(-1, args.iters):
+                ids = rng.integers(10000, size=(row.batch, row.input_len)).tolist()
+                prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
+                step_log.steps.clear()
+                t0 = time.perf_counter()
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                wall = time.perf_counter() - t0
+                if it < 0:
+                    continue
+                times = [request_times(o.metrics, args.output_len) for o in outputs]
+                record = {
+                    "mode": args.mode,
+                    "start": args.start,
+                    "iter": it,
+                    **asdict(row),
+                    "output_len": args.output_len,
+                    "wall_s": wall,
+                    "ttft_s": [t["ttft_s"] for t in times],
+                    "tpot_s": [t["tpot_s"] for t in times],
+                    "decode_itl_s": step_log.pure_decode_itls(row.batch),
+                }
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                print(
+                    f"[{args.mode} start {args.start}] {row.input_len}x{row.batch} "
+                    f"iter {it}: wall {wall:.2f} s, "
+                    f"{len(record['decode_itl_s'])} pure-decode ITLs",
+                    flush=True,
+                )
+    return 0
+
+
+# -- the driver ---------------------------------------------------------------
+
+
+def write_checkpoints(
+    out: Path, seed: int, config_only: bool = False
+) -> dict[str, Path]:
+    """The DSA and the dense real-attention checkpoints (same seed), once."""
+    paths = {"dsa": out / "ckpt-dsa", "dense": out / "ckpt-dense"}
+    command = shutil.which(TINY_CHECKPOINT_COMMAND)
+    if command is None:
+        raise SystemExit(
+            f"{TINY_CHECKPOINT_COMMAND} is not on PATH: install this package "
+            "(pip install .) in the environment that has vLLM"
+        )
+    for kind, path in paths.items():
+        if (path / "config.json").exists():
+            continue
+        extra = ["--no-dsa"] if kind == "dense" else []
+        extra += ["--config-only"] if config_only else ["--seed", str(seed)]
+        subprocess.run([command, str(path), "--real-attention", *extra], check=True)
+    return paths
+
+
+def engine_command(
+    args: argparse.Namespace, mode: str, start: int, model: Path, records: Path
+) -> list[str]:
+    rows = [f"{r.input_len}x{r.batch}" for r in args.planned_rows]
+    return [
+        sys.executable,
+        __file__,
+        "engine",
+        "--mode", mode,
+        "--start", str(start),
+        "--model", str(model),
+        "--records", str(records),
+        "--output-len", str(args.output_len),
+        "--iters", str(args.iters),
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--rows", *rows,
+    ]  # fmt: skip
+
+
+def mode_env(mode: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop(FORCE_WRAPPER_ENV, None)
+    if mode == "wrapper":
+        env[FORCE_WRAPPER_ENV] = "1"
+    return env
+
+
+def vllm_bench_latency_command(
+    model: Path,
+    row: Row,
+    output_len: int,
+    json_path: Path,
+    max_num_batched_tokens: int,
+) -> list[str]:
+    """``vllm bench latency`` for one row: the cross-check of the loop above."""
+    max_len = row.input_len + output_len
+    return [
+        "vllm", "bench", "latency",
+        "--model", str(model),
+        "--skip-tokenizer-init",
+        "--input-len", str(row.input_len),
+        "--output-len", str(output_len),
+        "--batch-size", str(row.batch),
+        "--max-model-len", str(max_len),
+        "--hf-overrides", json.dumps({"max_position_embeddings": max_len}),
+        "--num-iters-warmup", "1",
+        "--num-iters", "3",
+        "--max-num-batched-tokens", str(max_num_batched_tokens),
+        "--output-json", str(json_path),
+    ]  # fmt: skip
+
+
+def drive(args: argparse.Namespace) -> int:
+    rows, skipped = plan_rows(
+        args.input_lens, args.batch_sizes, args.max_prefill_tokens
+    )
+    if not rows:
+        raise SystemExit("no row fits --max-prefill-tokens")
+    args.planned_rows = rows
+    order = engine_order(args.modes, args.starts)
+    print(f"engines: {len(order)} ({', '.join(f'{m}#{s}' for s, m in order)})")
+    print(f"rows: {', '.join(f'{r.input_len}x{r.batch}' for r in rows)}")
+    if skipped:
+        print(
+            "left out (over --max-prefill-tokens "
+            f"{args.max_prefill_tokens}): "
+            + ", ".join(f"{r.input_len}x{r.batch}" for r in skipped)
+        )
+    print(
+        "tokens prefilled per engine: "
+        f"{sum(r.prefill_tokens for r in rows) * (args.iters + 1):,}"
+    )
+    if args.dry_run:
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpts = write_checkpoints(out, args.seed)
+    records = out / "records.jsonl"
+    status = 0
+    for start, mode in order:
+        model = ckpts["dense" if mode == "dense" else "dsa"]
+        with open(out / f"engine_{mode}_{start}.log", "w") as log:
+            proc = subprocess.run(
+                engine_command(args, mode, start, model, records),
+                env=mode_env(mode),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        print(f"{mode} start {start}: rc={proc.returncode}", flush=True)
+        status = status or proc.returncode
+    if args.vllm_bench_latency:
+        row = rows[0]
+        for mode in args.modes:
+            model = ckpts["dense" if mode == "dense" else "dsa"]
+            json_path = out / f"vllm_bench_latency_{mode}.json"
+            with open(out / f"vllm_bench_latency_{mode}.log", "w") as log:
+                proc = subprocess.run(
+                    vllm_bench_latency_command(
+                        model,
+                        row,
+                        args.output_len,
+                        json_path,
+                        args.max_num_batched_tokens,
+                    ),
+                    env=mode_env(mode),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            status = status or proc.returncode
+    if records.exists():
+        recs = [json.loads(line) for line in records.read_text().splitlines() if line]
+        summary = summarize(recs)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        print_summary(summary)
+    return status
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command")
+    e = sub.add_parser("engine", help="internal: one engine start")
+    e.add_argument("--mode", choices=MODES, required=True)
+    e.add_argument("--start", type=int, required=True)
+    e.add_argument("--model", required=True)
+    e.add_argument("--records", required=True)
+    e.add_argument("--output-len", type=int, required=True)
+    e.add_argument("--iters", type=int, required=True)
+    e.add_argument("--gpu-memory-utilization", type=float, required=True)
+    e.add_argument("--max-num-batched-tokens", type=int, required=True)
+    e.add_argument("--rows", nargs="+", required=True)
+    p.add_argument("--out", default="build/e2e_bench")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--input-lens", type=int, nargs="+", default=[8192, 32768, 131072])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--starts", type=int, default=3)
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=32768,
+        help="the engines' prefill chunk (the same for every mode)",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=2_200_000,
+        help="leave out rows whose batch prefills more tokens than this",
+    )
+    p.add_argument("--vllm-bench-latency", action="store_true")
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(argv)
+    for name in (
+        "output_len",
+        "starts",
+        "iters",
+        "max_prefill_tokens",
+        "max_num_batched_tokens",
+    ):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "engine":
+        return run_engine(args)
+    return drive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

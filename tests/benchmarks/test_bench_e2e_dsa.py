@@ -1,0 +1,194 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The end-to-end DSA benchmark's driver on the CPU: its plan (rows left out
+by the prefill budget, interleaved engine starts), the engine command it
+hands each start (parsed back by its own parser), the per-request times it
+reads from vLLM's ``RequestStateStats`` and its summary and ratios. The
+engines themselves need a GPU (``tools/gpu/run.py``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+_ROOT = next(
+    p for p in Path(__file__).resolve().parents if (p / "benchmarks" / "e2e").is_dir()
+)
+sys.path.insert(0, str(_ROOT / "benchmarks" / "e2e"))
+import bench_e2e_dsa as E  # noqa: E402
+
+
+def test_rows_over_the_prefill_budget_are_left_out() -> None:
+    rows, skipped = E.plan_rows([8192, 131072], [1, 16, 64], 2_200_000)
+    assert [(r.input_len, r.batch) for r in skipped] == [(131072, 64)]
+    assert len(rows) == 5
+    assert all(r.prefill_tokens <= 2_200_000 for r in rows)
+
+
+def test_engine_starts_interleave_and_rotate() -> None:
+    order = E.engine_order(["fused", "wrapper", "dense"], 3)
+    assert order[:3] == [(0, "fused"), (0, "wrapper"), (0, "dense")]
+    assert [m for s, m in order if s == 1] == ["wrapper", "dense", "fused"]
+    assert len(order) == 9
+    assert {m for _, m in order[:3]} == {m for _, m in order[3:6]}
+
+
+def test_engine_command_parses_back(tmp_path: Path) -> None:
+    args = E.parse_args(["--input-lens", "8192", "--batch-sizes", "1", "16"])
+    args.planned_rows = E.plan_rows(args.input_lens, args.batch_sizes, 10**9)[0]
+    cmd = E.engine_command(args, "wrapper", 2, tmp_path / "m", tmp_path / "r.jsonl")
+    parsed = E.parse_args(cmd[2:])
+    assert parsed.command == "engine"
+    assert (parsed.mode, parsed.start, parsed.iters) == ("wrapper", 2, args.iters)
+    assert parsed.rows == ["8192x1", "8192x16"]
+    assert E.mode_env("wrapper")[E.FORCE_WRAPPER_ENV] == "1"
+    assert E.FORCE_WRAPPER_ENV not in E.mode_env("fused")
+
+
+def test_vllm_bench_latency_command_is_accepted_by_vllm(tmp_path: Path) -> None:
+    """The cross-check command parses with ``vllm bench latency``'s own CLI."""
+    pytest.importorskip("vllm")
+    from vllm.benchmarks.latency import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cmd = E.vllm_bench_latency_command(
+        tmp_path / "m", E.Row(32768, 16), 256, tmp_path / "o.json", 32768
+    )
+    assert cmd[:3] == ["vllm", "bench", "latency"]
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    ns = parser.parse_args(cmd[3:])
+    assert (ns.input_len, ns.batch_size, ns.output_len) == (32768, 16, 256)
+    assert ns.max_model_len == 32768 + 256
+    assert ns.max_num_batched_tokens == 32768
+
+
+class _Stats:
+    def __init__(self, n: int, ttft: float, first: float, last: float) -> None:
+        self.num_generation_tokens = n
+        self.first_token_latency = ttft
+        self.first_token_ts = first
+        self.last_token_ts = last
+
+
+def test_request_times_and_their_refusals() -> None:
+    times = E.request_times(_Stats(256, 0.5, 10.0, 12.55), 256)
+    assert times["ttft_s"] == 0.5
+    assert times["tpot_s"] == pytest.approx(2.55 / 255)
+    with pytest.raises(RuntimeError, match="disable_log_stats=False"):
+        E.request_times(None, 256)
+    with pytest.raises(RuntimeError, match="generated 10 tokens, not 256"):
+        E.request_times(_Stats(10, 0.5, 10.0, 11.0), 256)
+
+
+def _record(mode: str, start: int, step: float, ttft: float) -> dict:
+    return {
+        "mode": mode, "start": start, "input_len": 32768, "batch": 4,
+        "ttft_s": [ttft] * 4, "tpot_s": [2 * step] * 4, "decode_itl_s": [step] * 8,
+    }  # fmt: skip
+
+
+def test_summary_medians_spread_and_ratios() -> None:
+    records = [
+        _record("dense", 0, 0.004, 0.2),
+        _record("dense", 1, 0.006, 0.2),
+        _record("fused", 0, 0.002, 0.1),
+        _record("fused", 1, 0.002, 0.3),
+        _record("fused", 1, 0.003, 0.3),
+        _record("wrapper", 0, 0.002, 0.1) | {"decode_itl_s": []},
+    ]
+    summary = {s["mode"]: s for s in E.summarize(records)}
+    dense, fused, wrapper = summary["dense"], summary["fused"], summary["wrapper"]
+    assert dense["step_ms"] == pytest.approx(5.0)
+    assert dense["tpot_ms"] == pytest.approx(10.0)
+    assert dense["decode_tok_s"] == pytest.approx(4 / 0.005)
+    assert (dense["decode_tok_s_min"], dense["decode_tok_s_max"]) == pytest.approx(
+        (4 / 0.006, 4 / 0.004)
+    )
+    assert (fused["starts"], fused["decode_steps"]) == (2, 24)
+    assert fused["decode_x_dense"] == pytest.approx((4 / 0.002) / (4 / 0.005))
+    assert fused["ttft_x_dense"] == pytest.approx(300 / 200)
+    assert "decode_x_dense" not in dense
+    # No pure-decode step: no decode rate and no ratio, the TTFT ratio stays.
+    assert "decode_tok_s" not in wrapper and "decode_x_dense" not in wrapper
+    assert wrapper["ttft_x_dense"] == pytest.approx(0.5)
+    E.print_summary(list(summary.values()))
+
+
+class _Sched:
+    def __init__(self, running: int) -> None:
+        self.num_running_reqs = running
+
+
+class _Iter:
+    def __init__(self, new: int, first: int, itls: list[float]) -> None:
+        self.num_generation_tokens = new
+        self.time_to_first_tokens_iter = [0.1] * first
+        self.inter_token_latencies_iter = itls
+
+
+def test_only_steps_where_the_whole_batch_decodes_count() -> None:
+    log = E.StepLog()
+    log.add(_Sched(3), _Iter(1, 1, []))  # a prefill finished
+    log.add(_Sched(3), _Iter(2, 0, [0.5, 0.5]))  # one request still prefills
+    log.add(_Sched(3), _Iter(3, 0, [0.01, 0.01, 0.01]))  # pure decode
+    log.add(_Sched(3), _Iter(3, 1, [0.2, 0.2]))  # a first token in the step
+    log.add(_Sched(2), _Iter(2, 0, [0.02, 0.02]))  # one request finished
+    log.add(None, _Iter(3, 0, [9.0] * 3))
+    log.add(_Sched(3), None)
+    assert log.pure_decode_itls(3) == [0.01, 0.01, 0.01]
+
+
+def test_step_log_wraps_the_engines_stat_logger_manager() -> None:
+    seen = []
+
+    class Manager:
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None):
+            seen.append(mm_cache_stats)
+
+    llm = type("LLM", (), {})()
+    llm.llm_engine = type("Engine", (), {})()
+    llm.llm_engine.logger_manager = Manager()
+    log = E.attach_step_log(llm)
+    llm.llm_engine.logger_manager.record(
+        scheduler_stats=_Sched(1), iteration_stats=_Iter(1, 0, [0.5]), mm_cache_stats=7
+    )
+    assert seen == [7] and log.pure_decode_itls(1) == [0.5]
+    llm.llm_engine.logger_manager = None
+    with pytest.raises(RuntimeError, match="disable_log_stats=False"):
+        E.attach_step_log(llm)
+
+
+def test_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert E.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "engines: 9" in out
+    assert "left out" in out and "131072x64" in out
+
+
+def test_bad_counts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        E.parse_args(["--starts", "0"])
+    assert "--starts must be at least 1" in capsys.readouterr().err
+
+
+def test_engine_arguments_pass_vllms_configuration(
+    tmp_path: Path, engine_config
+) -> None:
+    """Both checkpoints, at the longest row's length, through vLLM's real
+    configuration path with the engines' arguments (the DSA verifier
+    included): the sitting must not find a refused config."""
+    args = E.parse_args(["--dry-run"])
+    args.start = 0
+    ckpts = E.write_checkpoints(tmp_path, seed=0, config_only=True)
+    max_len = 131072 + args.output_len
+    for kind, path in ckpts.items():
+        kwargs = E.engine_kwargs(str(path), max_len, args)
+        model = kwargs.pop("model")
+        cfg = engine_config(Path(model), **kwargs)
+        assert cfg.model_config.max_model_len == max_len
+        assert cfg.scheduler_config.max_num_batched_tokens == 32768
+        has_dsa = getattr(cfg.model_config.hf_text_config, "dsa_config", None)
+        assert (has_dsa is not None) == (kind == "dsa")
