@@ -384,6 +384,11 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
         return
     heads = sorted({r["heads"] for r in records})
     fig, axes = plt.subplots(1, len(heads), figsize=(6 * len(heads), 4), squeeze=False)
+    # One colour per layer, one marker per batch: a dozen lines stay apart.
+    layers = sorted({r["layer"] for r in records})
+    colours = {layer: f"C{i}" for i, layer in enumerate(layers)}
+    batches = sorted({r["batch"] for r in records if r["mode"] == "decode"})
+    markers = {b: "osD^vP*X"[i % 8] for i, b in enumerate(batches)}
     for ax, h in zip(axes[0], heads, strict=True):
         rows = [
             r
@@ -399,11 +404,17 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
             ax.plot(
                 [p[0] for p in pts],
                 [p[1] for p in pts],
-                marker="o",
+                color=colours[layer],
+                marker=markers[batch],
                 linestyle="--" if layer in S.DENSE_LAYERS else "-",
                 label=f"{layer} B={batch}",
             )
-        ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode step (us)")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="context (tokens)",
+            ylabel="decode step (us)",
+        )
         ax.set_title(f"{h} heads")
         ax.legend(fontsize=7)
     fig.savefig(path, bbox_inches="tight")
@@ -426,7 +437,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", help="write the records here")
     p.add_argument("--plot", help="write a decode plot here (needs matplotlib)")
+    p.add_argument(
+        "--from-json",
+        nargs="+",
+        metavar="JSON",
+        help="time nothing: print the table (and --plot) of earlier runs' records",
+    )
     args = p.parse_args(argv)
+    if args.from_json:
+        return args
     if not args.decode_batches and not args.prefill_chunks:
         p.error("no points: give --decode-batches or --prefill-chunks")
     return args
@@ -444,6 +463,14 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 when every point ran or was skipped (vLLM cannot run it
     on this device), 1 when any failed."""
     args = parse_args(argv)
+    if args.from_json:
+        records = [
+            r for path in args.from_json for r in json.loads(Path(path).read_text())
+        ]
+        print_table(records)
+        if args.plot:
+            plot(records, args.plot)
+        return 0
     if args.json:
         # Before the run: a missing folder must not cost its results.
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
