@@ -78,9 +78,7 @@ def test_mamba_layers_flag_is_not_what_vllm_checks():
 
     assert MambaBase.supports_dcp is False
     assert issubclass(KimiK3DeltaAttention, MambaBase)
-    assert list(inspect.signature(get_mamba_attn_backend).parameters) == [
-        "mamba_type"
-    ]
+    assert list(inspect.signature(get_mamba_attn_backend).parameters) == ["mamba_type"]
 
 
 def test_kda_state_is_replicated_across_dcp_ranks():
