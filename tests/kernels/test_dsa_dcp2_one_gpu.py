@@ -321,7 +321,10 @@ def _assert_same_selection(
         print(f"METRIC dcp2 {what} req={b} overlap={overlap:.4f}")
         if overlap < 1.0:
             torch.testing.assert_close(
-                scores[b, a].sort().values, scores[b, w].sort().values
+                scores[b, a].sort().values,
+                scores[b, w].sort().values,
+                rtol=1e-3,
+                atol=1e-3,
             )
             assert overlap >= 0.99, f"{what}: request {b} overlap {overlap:.4f}"
 
@@ -384,7 +387,7 @@ def dcp2(request) -> SimpleNamespace:
             kvw=kvw,
             kw=kw,
             kb=kb,
-        ),  # fmt: skip
+        ),
     )
     one = _rank(v, batch, 1, 0, interleave, seed=50)
     ranks = [_rank(v, batch, DCP, r, interleave, seed=51 + r) for r in range(DCP)]
