@@ -305,17 +305,21 @@ def check_decode_backend(vllm_config: VllmConfig) -> None:
 
 
 def check_dsa_parallelism(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
-    """Decode context parallelism is refused (wrong tokens on the H200) unless
+    """Decode context parallelism is refused (wrong tokens on two H200s) unless
     :data:`EXPERIMENTAL_DCP_ENV` opts in; then each rank's top-k is merged by
-    vLLM's DCP merge, which takes only a few top-k widths and needs CuTe DSL."""
+    vLLM's DCP merge, which takes only a few top-k widths and needs CuTe DSL.
+
+    Not for the KDA layers: vLLM 0.33.0 keeps a KDA state whole on every DCP
+    rank (its ``MambaSpec`` is not DCP-sharded; ``MambaBase.supports_dcp`` is
+    never read), and plain Kimi K3 passes its DCP configuration checks."""
     dcp = vllm_config.parallel_config.decode_context_parallel_size
     if dcp <= 1:
         return
     if not experimental_dcp():
         raise ValueError(
             f"--decode-context-parallel-size {dcp} is not supported for Kimi K3.1 "
-            "DSA: on an H200 pair (vLLM 0.33.0, 2026-11-30) it produced wrong "
-            "tokens (NaN logits for prompts longer than index_topk); serve with "
+            "DSA: on two H200s it produced wrong tokens (NaN logits for prompts "
+            "longer than index_topk, docs/serving.md); serve with "
             "decode_context_parallel_size 1. Developers reproducing it can set "
             f"{EXPERIMENTAL_DCP_ENV}=1"
         )
