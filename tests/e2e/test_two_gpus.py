@@ -79,7 +79,7 @@ def engine_env(two_gpus: None) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_dsa_topk512(e2e_dir: Path) -> Path:
     """The tiny checkpoint with a top-k that vLLM's DCP merge takes."""
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+    from kimi_k3_dsa_tools.tiny_checkpoint import (
         TINY_DSA_CONFIG,
         write_tiny_checkpoint,
     )

@@ -101,7 +101,7 @@ GPU_MEMORY_UTILIZATION = 0.25
 def e2e_checkpoint_overrides() -> dict[str, Any]:
     """Text-config overrides of the e2e checkpoint (see
     :data:`E2E_QUERY_HEADS`)."""
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import TINY_DSA_CONFIG
+    from kimi_k3_dsa_tools.tiny_checkpoint import TINY_DSA_CONFIG
 
     return {
         "num_attention_heads": E2E_QUERY_HEADS,
@@ -834,7 +834,7 @@ def kv_plan(
     """``kimi-k3-dsa-kv-plan --json`` (its ``main``) for a checkpoint."""
     import io
 
-    from vllm.entrypoints.kimi_k3_dsa.kv_plan import main
+    from kimi_k3_dsa_tools.kv_plan_cli import main
 
     out, err = io.StringIO(), io.StringIO()
     args = [
