@@ -6,7 +6,7 @@ fail once the engine runs hold for them: FlashMLA sparse's chunked-context
 workspace must hold one packed block, and its DCP path needs the mixed-batch
 fp8 kernel with one head padding for the local and the gathered heads.
 
-DCP is refused for Kimi K3.1 DSA (wrong tokens on the H200, docs/serving.md)
+DCP is refused for Kimi K3.1 DSA (it serves wrong tokens, docs/serving.md)
 unless ``VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP=1``; the e2e DCP test sets it to
 reproduce the defect, so these checks set it too.
 """
