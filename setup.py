@@ -1,9 +1,12 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Build script of the vllm-kimi-k3-dsa overlay.
 
 The distribution ships only our files into vLLM's in-tree paths. Directories
 that upstream owns carry no ``__init__.py`` of ours, so they are listed here as
 namespace packages: setuptools installs (or, editable, maps) our modules into
-the installed vLLM tree and leaves upstream's files alone.
+the installed vLLM tree and leaves upstream's files alone. The development
+tools ship beside them as their own top-level package, ``kimi_k3_dsa_tools``.
 
 The CUDA extension ``vllm._kimi_k3_C`` is built when torch and nvcc are
 available; otherwise the package installs without it and says so.
@@ -21,12 +24,14 @@ ROOT = Path(__file__).parent
 # Our packages only. Upstream-owned parents (vllm, vllm.models, ...) are not
 # listed; the ones that receive our modules are namespace packages here.
 PACKAGES = [
-    "vllm.entrypoints.kimi_k3_dsa",
     "vllm.models.kimi_k3.common",
     "vllm.models.kimi_k3.nvidia",
     "vllm.models.kimi_k3.nvidia.dsa_ops",
     "vllm.plugins.kimi_k3_dsa",
 ]
+# The development tools (KV plan, tiny checkpoint): a top-level package of
+# this distribution, outside vLLM's tree; vLLM never imports it.
+TOOLS_PACKAGE = "kimi_k3_dsa_tools"
 
 # Hopper (FlashMLA sparse / DeepGEMM SM90) and Blackwell datacenter parts
 # (SM100: B200, GB200; SM103: B300, GB300). Each "a" target runs on exactly
@@ -100,8 +105,8 @@ def _cmdclass(ext_modules: list) -> dict:
 
 ext_modules = _extension_modules()
 setup(
-    packages=PACKAGES,
-    package_data={"vllm.models.kimi_k3.common": ["data/*.json"]},
+    packages=[*PACKAGES, TOOLS_PACKAGE],
+    package_data={TOOLS_PACKAGE: ["*.json"]},
     ext_modules=ext_modules,
     cmdclass=_cmdclass(ext_modules),
 )

@@ -44,7 +44,7 @@ def _has_vllm() -> bool:
 def tiny_checkpoint(tmp_path: Path) -> Callable[..., Path]:
     """Write a tiny Kimi K3.1 config.json; keyword overrides replace top-level
     text-config keys (``dsa=False`` writes plain Kimi K3)."""
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import write_tiny_config
+    from kimi_k3_dsa_tools.tiny_checkpoint import write_tiny_config
 
     counter = iter(range(1_000_000))
 

@@ -52,7 +52,7 @@ weights ``1 + 0.1 N(0, 1)``), to tell the outliers' effect from the format's.
 is then unrelated to what the indexer selects.
 
 ``tiny``: the tiny checkpoint's own first DSA layer
-(:func:`vllm.models.kimi_k3.common.dsa_tiny_checkpoint.write_tiny_checkpoint`,
+(:func:`kimi_k3_dsa_tools.tiny_checkpoint.write_tiny_checkpoint`,
 read back from its safetensors). Hidden states (the structured features, the
 query's roles blended into one vector, lifted to the hidden size by a random
 orthonormal map, then the layer's input RMSNorm) go through ``q_a_proj`` +
@@ -340,7 +340,7 @@ def _gaussian(
 
 def write_tiny_checkpoint_dir(seed: int = 0) -> Path:
     """A fresh tiny checkpoint in a temporary directory (about 70 MB)."""
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import write_tiny_checkpoint
+    from kimi_k3_dsa_tools.tiny_checkpoint import write_tiny_checkpoint
 
     out = Path(tempfile.mkdtemp(prefix="kimi_k3_fidelity_tiny_"))
     return write_tiny_checkpoint(out, seed=seed)

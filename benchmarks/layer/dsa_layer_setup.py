@@ -140,7 +140,7 @@ def write_config(kind: str, heads: int, hidden: int, max_pos: int, out: Path) ->
         )
         (out / "config.json").write_text(json.dumps(config, indent=2))
         return out
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+    from kimi_k3_dsa_tools.tiny_checkpoint import (
         real_attention_overrides,
         write_tiny_config,
     )

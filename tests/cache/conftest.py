@@ -22,7 +22,7 @@ import pytest
 def vllm_config_for(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
     from engine_configs import create_engine_config
 
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import write_tiny_config
+    from kimi_k3_dsa_tools.tiny_checkpoint import write_tiny_config
 
     cache: dict[str, Any] = {}
     root = tmp_path_factory.mktemp("kimi_k3_dsa_cache")

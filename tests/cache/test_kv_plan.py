@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from vllm.entrypoints.kimi_k3_dsa.kv_plan import main
-from vllm.models.kimi_k3.common import dsa_kv_plan_inputs as plan_inputs
+from kimi_k3_dsa_tools import kv_plan_inputs as plan_inputs
+from kimi_k3_dsa_tools.kv_plan_cli import main
 
 GIB = 2**30
-BUNDLED = Path(plan_inputs.__file__).parent / "data" / plan_inputs.BUNDLED_CONFIG
+BUNDLED = Path(plan_inputs.__file__).parent / plan_inputs.BUNDLED_CONFIG
 
 
 def independent_plan(
@@ -129,12 +129,12 @@ def test_plan_with_dense_draft_and_spec_tokens(capsys, tmp_path):
 def test_plan_matches_the_engine_block_size(capsys, vllm_config_for, tmp_path):
     """On the tiny checkpoint the plan's block is the block the engine's
     sizing (packed_dsa_block_size on the real VllmConfig) gives."""
+    from kimi_k3_dsa_tools.tiny_checkpoint import write_tiny_config
     from vllm.models.kimi_k3.common.dsa_block_size import (
         kda_state_bytes_for,
         packed_dsa_block_size,
         target_mla_bytes_per_token,
     )
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import write_tiny_config
 
     cfg = vllm_config_for()
     engine_block = packed_dsa_block_size(
@@ -171,7 +171,7 @@ def test_bad_inputs(capsys, args, message):
 
 
 def test_non_dsa_and_rmsnorm_mxfp4_configs(capsys, tmp_path):
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import write_tiny_config
+    from kimi_k3_dsa_tools.tiny_checkpoint import write_tiny_config
 
     plain = write_tiny_config(tmp_path / "plain", dsa=False)
     assert main(["--config", str(plain)]) == 2
@@ -190,9 +190,9 @@ def test_module_command_and_console_script():
     from importlib.metadata import entry_points
 
     scripts = entry_points(group="console_scripts", name="kimi-k3-dsa-kv-plan")
-    assert [ep.value for ep in scripts] == ["vllm.entrypoints.kimi_k3_dsa.kv_plan:main"]
+    assert [ep.value for ep in scripts] == ["kimi_k3_dsa_tools.kv_plan_cli:main"]
     result = subprocess.run(
-        [sys.executable, "-m", "vllm.entrypoints.kimi_k3_dsa.kv_plan",
+        [sys.executable, "-m", "kimi_k3_dsa_tools.kv_plan_cli",
          "--tp", "8", "--kv-budget", "60GiB"],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},

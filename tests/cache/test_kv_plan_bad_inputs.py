@@ -22,11 +22,11 @@ import pytest
 # land in that test's captured stderr.
 import vllm.models.kimi_k3.common.dsa_cache  # noqa: F401
 import vllm.models.kimi_k3.common.dsa_config  # noqa: F401
-from vllm.entrypoints.kimi_k3_dsa.kv_plan import PROG, main
-from vllm.models.kimi_k3.common import dsa_kv_plan_inputs as plan_inputs
-from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import TINY_DSA_CONFIG
+from kimi_k3_dsa_tools import kv_plan_inputs as plan_inputs
+from kimi_k3_dsa_tools.kv_plan_cli import PROG, main
+from kimi_k3_dsa_tools.tiny_checkpoint import TINY_DSA_CONFIG
 
-BUNDLED = Path(plan_inputs.__file__).parent / "data" / plan_inputs.BUNDLED_CONFIG
+BUNDLED = Path(plan_inputs.__file__).parent / plan_inputs.BUNDLED_CONFIG
 ERROR = f"{PROG}: error: "
 PLAN_TITLE = "Kimi K3.1 DSA KV cache plan"
 GOOD_DRAFT = {"num_hidden_layers": 1, "kv_lora_rank": 512, "qk_rope_head_dim": 64}

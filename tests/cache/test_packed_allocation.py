@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.entrypoints.kimi_k3_dsa.kv_plan import main
+from kimi_k3_dsa_tools.kv_plan_cli import main
 from vllm.models.kimi_k3.common.dsa_cache import KimiK3IndexerBackend
 
 TP = 8

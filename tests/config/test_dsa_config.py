@@ -9,16 +9,16 @@ from typing import Any
 
 import pytest
 
-from vllm.models.kimi_k3.common.dsa_config import (
-    DSAConfig,
-    KimiK3DSAConfig,
-    KimiLinearDSAConfig,
-)
-from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+from kimi_k3_dsa_tools.tiny_checkpoint import (
     TINY_DSA_CONFIG,
     tiny_multimodal_config,
     tiny_text_config,
     write_tiny_config,
+)
+from vllm.models.kimi_k3.common.dsa_config import (
+    DSAConfig,
+    KimiK3DSAConfig,
+    KimiLinearDSAConfig,
 )
 from vllm.models.kimi_k3.common.dsa_verify import verify_dsa_vllm_config
 

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from vllm.models.kimi_k3.common import dsa_config as dsa_config_module
-from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+from kimi_k3_dsa_tools.tiny_checkpoint import (
     TINY_DSA_CONFIG,
     TINY_VISION_CONFIG,
     tiny_multimodal_config,
     tiny_text_config,
 )
+from vllm.models.kimi_k3.common import dsa_config as dsa_config_module
 from vllm.models.kimi_k3.common.dsa_verify import verify_dsa_vllm_config
 
 GIB = 2**30

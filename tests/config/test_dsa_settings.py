@@ -4,13 +4,13 @@ configuration path accepted, read once (``dsa_settings``)."""
 
 import pytest
 
+from kimi_k3_dsa_tools.tiny_checkpoint import (
+    TINY_DSA_CONFIG,
+    write_tiny_config,
+)
 from vllm.models.kimi_k3.common.dsa_settings import (
     padded_index_heads,
     resolve_dsa_settings,
-)
-from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
-    TINY_DSA_CONFIG,
-    write_tiny_config,
 )
 
 

@@ -60,7 +60,7 @@ def tiny_dsa(e2e_dir: Path) -> Path:
     names)."""
     from tiny_serving import e2e_checkpoint_overrides
 
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import write_tiny_checkpoint
+    from kimi_k3_dsa_tools.tiny_checkpoint import write_tiny_checkpoint
 
     return write_tiny_checkpoint(e2e_dir / "tiny-k3.1", **e2e_checkpoint_overrides())
 
@@ -69,7 +69,7 @@ def tiny_dsa(e2e_dir: Path) -> Path:
 def tiny_real_attention(e2e_dir: Path) -> Path:
     """The tiny checkpoint with Kimi K3.1's real attention dimensions
     (``--real-attention``: 96 heads, 32 index heads x 128, top-k 2048)."""
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+    from kimi_k3_dsa_tools.tiny_checkpoint import (
         real_attention_overrides,
         write_tiny_checkpoint,
     )
@@ -134,7 +134,7 @@ def engine_pool(
     if "dsa-multimodal" in names:
         from tiny_serving import e2e_checkpoint_overrides
 
-        from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+        from kimi_k3_dsa_tools.tiny_checkpoint import (
             write_tiny_checkpoint,
         )
 

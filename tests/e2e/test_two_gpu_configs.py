@@ -6,7 +6,7 @@ fail once the engine runs hold for them: FlashMLA sparse's chunked-context
 workspace must hold one packed block, and its DCP path needs the mixed-batch
 fp8 kernel with one head padding for the local and the gathered heads.
 
-DCP is refused for Kimi K3.1 DSA (wrong tokens on the H200, docs/serving.md)
+DCP is refused for Kimi K3.1 DSA (it serves wrong tokens, docs/serving.md)
 unless ``VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP=1``; the e2e DCP test sets it to
 reproduce the defect, so these checks set it too.
 """
@@ -62,7 +62,7 @@ def _config(
     dcp: int = 1,
     **engine_args: Any,
 ) -> tuple[Any, Path]:
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import TINY_DSA_CONFIG
+    from kimi_k3_dsa_tools.tiny_checkpoint import TINY_DSA_CONFIG
 
     ckpt = tiny_checkpoint(dsa_config={**TINY_DSA_CONFIG, "index_topk": index_topk})
     config = engine_config(
@@ -79,13 +79,13 @@ def _config(
 def _packed_block_size(config: Any) -> int:
     """The block the engine sizes (``apply_packed_dsa_block_size``) with
     FlashMLA sparse's and the indexer's 64-token kernel pages on CUDA."""
+    from kimi_k3_dsa_tools.kv_plan import KERNEL_BLOCK_SIZES
     from vllm.models.kimi_k3.common.dsa_block_size import (
         kda_state_bytes_for,
         packed_dsa_alignment,
         packed_dsa_block_size,
         target_mla_bytes_per_token,
     )
-    from vllm.models.kimi_k3.common.dsa_kv_plan import KERNEL_BLOCK_SIZES
 
     block = packed_dsa_block_size(
         config,
@@ -153,7 +153,7 @@ def test_kv_plan_block_is_the_engine_block_at_tp2(
     """What test_two_gpus compares with the allocation, on the CPU: the plan
     and the engine's sizing give one TP2 block (1024 tokens: half the TP1
     block, the KDA states being split)."""
-    from vllm.entrypoints.kimi_k3_dsa.kv_plan import main
+    from kimi_k3_dsa_tools.kv_plan_cli import main
 
     config, ckpt = _config(
         tiny_checkpoint, engine_config, TINY_INDEX_TOPK, MAX_MODEL_LEN, tp=2

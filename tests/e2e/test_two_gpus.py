@@ -79,7 +79,7 @@ def engine_env(two_gpus: None) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_dsa_topk512(e2e_dir: Path) -> Path:
     """The tiny checkpoint with a top-k that vLLM's DCP merge takes."""
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+    from kimi_k3_dsa_tools.tiny_checkpoint import (
         TINY_DSA_CONFIG,
         write_tiny_checkpoint,
     )
@@ -138,8 +138,8 @@ def test_tp2_kv_plan_matches_allocation(engine_runs, tiny_dsa, engine_env, repor
 
 @pytest.mark.xfail(
     strict=True,
-    reason="known defect: on two H200s (2026-11-30) DCP2 gave NaN logits for "
-    "prompts longer than top-k and a wrong second token for a shorter one "
+    reason="known defect: DCP2 gives NaN logits for prompts longer than "
+    "top-k and a wrong second token for a shorter one on two GPUs "
     "(docs/serving.md); refused at config time without "
     "VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP=1. Strict: a fix makes this XPASS, "
     "which fails until the mark is removed",

@@ -54,20 +54,20 @@ NUM_LOGPROBS = 5
 MAX_MODEL_LEN = 1024
 # Token ids the tiny vocabulary (1024) holds; 1023 is the media placeholder.
 PROMPT_VOCAB = 1000
-# Small batches keep CUDA-graph capture short. 8 failed with the MTP draft on
-# the H200 (2026-11-30): vLLM's FlashMLA sparse builder sized its chunked-context
-# workspace min(..., max_num_seqs * index_topk) = 1024 rows, below one packed
-# block (2048 tokens here). KimiK3FlashMLASparseMetadataBuilder now sizes it to
-# hold a packed block (tests/model/test_dsa_prefill_workspace.py); 16 stays
-# until 8 has run on a GPU again.
+# Small batches keep CUDA-graph capture short. With 8 and the MTP draft, vLLM's
+# FlashMLA sparse builder would size its chunked-context workspace
+# min(..., max_num_seqs * index_topk) = 1024 rows, below one packed block (2048
+# tokens here); KimiK3FlashMLASparseMetadataBuilder sizes it to hold a packed
+# block (tests/model/test_dsa_prefill_workspace.py), but 8 has not served on a
+# GPU with it yet, so 16 stays.
 MAX_NUM_SEQS = 16
 # The first request of an engine includes JIT compiles (DeepGEMM, Triton).
 GENERATE_TIMEOUT_S = 240.0
 # Chosen-token logprob tolerance (nats) over the agreeing prefix of each
 # prompt no longer than top-k. There every cached token is selected, so two
-# correct paths differ by rounding only: measured on the H200 (2026-11-30) at
-# most 0.062 for every comparison of test_tiny_serving (eager/graphs, batched,
-# the two prefill paths, fused/wrapper, DSA/dense MLA). The tiny model is
+# correct paths differ by rounding only: at most 0.062 on an H200 for every
+# comparison of test_tiny_serving (eager/graphs, batched, the two prefill
+# paths, fused/wrapper, DSA/dense MLA; docs/serving.md). The tiny model is
 # random and chaotic (a rounding difference can flip an MoE routing decision),
 # so the bound is about 2.5x that. Long prompts are held to the token check
 # only: near-tie indexer scores can select a different boundary token (even
@@ -101,7 +101,7 @@ GPU_MEMORY_UTILIZATION = 0.25
 def e2e_checkpoint_overrides() -> dict[str, Any]:
     """Text-config overrides of the e2e checkpoint (see
     :data:`E2E_QUERY_HEADS`)."""
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import TINY_DSA_CONFIG
+    from kimi_k3_dsa_tools.tiny_checkpoint import TINY_DSA_CONFIG
 
     return {
         "num_attention_heads": E2E_QUERY_HEADS,
@@ -834,7 +834,7 @@ def kv_plan(
     """``kimi-k3-dsa-kv-plan --json`` (its ``main``) for a checkpoint."""
     import io
 
-    from vllm.entrypoints.kimi_k3_dsa.kv_plan import main
+    from kimi_k3_dsa_tools.kv_plan_cli import main
 
     out, err = io.StringIO(), io.StringIO()
     args = [

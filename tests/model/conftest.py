@@ -79,7 +79,7 @@ def dsa_vllm_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The real VllmConfig of the tiny Kimi K3.1 checkpoint (session-wide)."""
     from engine_configs import create_engine_config
 
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import write_tiny_config
+    from kimi_k3_dsa_tools.tiny_checkpoint import write_tiny_config
 
     path = write_tiny_config(tmp_path_factory.mktemp("tiny_k31"))
     return create_engine_config(
@@ -134,14 +134,14 @@ class DSALayerEnv:
         """A real ``KimiLinearDSAConfig`` of the tiny checkpoint; keyword
         overrides replace top-level keys (``dsa_config={...}`` replaces the
         block; ``dsa=False`` gives plain Kimi K3)."""
+        from kimi_k3_dsa_tools.tiny_checkpoint import tiny_text_config
         from vllm.models.kimi_k3.common.dsa_config import KimiLinearDSAConfig
-        from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import tiny_text_config
 
         return KimiLinearDSAConfig(**tiny_text_config(dsa=dsa, **overrides))
 
     def dsa_config(self, **overrides: Any) -> dict[str, Any]:
         """The tiny ``dsa_config`` dict with ``overrides`` applied."""
-        from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import TINY_DSA_CONFIG
+        from kimi_k3_dsa_tools.tiny_checkpoint import TINY_DSA_CONFIG
 
         return {**TINY_DSA_CONFIG, **overrides}
 

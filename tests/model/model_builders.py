@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+from kimi_k3_dsa_tools.tiny_checkpoint import (
     CHECKPOINT_FILE,
     TINY_FULL_ATTN_LAYERS,
     TINY_KDA_LAYERS,

@@ -39,7 +39,7 @@ from model_builders import (
 )
 
 import vllm.models.kimi_k3.nvidia.dsa as D
-from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+from kimi_k3_dsa_tools.tiny_checkpoint import (
     TINY_DSA_CONFIG,
     tiny_text_config,
     write_tiny_checkpoint,

@@ -99,8 +99,8 @@ def test_factory_builds_dense_mla_without_dsa_config(dsa_layer_env) -> None:
     """The rebound name keeps 0.33.0's dense MLA for plain Kimi K3."""
     import torch
 
+    from kimi_k3_dsa_tools.tiny_checkpoint import tiny_text_config
     from vllm.models.kimi_k3.common.dsa_config import KimiLinearDSAConfig
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import tiny_text_config
     from vllm.models.kimi_k3.nvidia.dsa_model import kimi_k3_attention_factory
     from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
     from vllm.utils.torch_utils import set_default_torch_dtype

@@ -15,9 +15,9 @@ import pytest
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from vllm.entrypoints.kimi_k3_dsa import tiny_checkpoint as cli  # noqa: E402
-from vllm.models.kimi_k3.common import dsa_tiny_checkpoint as T  # noqa: E402
-from vllm.models.kimi_k3.common import dsa_tiny_weights as W  # noqa: E402
+from kimi_k3_dsa_tools import tiny_checkpoint as T  # noqa: E402
+from kimi_k3_dsa_tools import tiny_checkpoint_cli as cli  # noqa: E402
+from kimi_k3_dsa_tools import tiny_weights as W  # noqa: E402
 
 
 def _layers_with(names: set[str], part: str) -> set[int]:

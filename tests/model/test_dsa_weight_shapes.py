@@ -26,7 +26,7 @@ import pytest
 import torch
 from model_builders import MTP_LAYER, build, load
 
-from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+from kimi_k3_dsa_tools.tiny_checkpoint import (
     CHECKPOINT_FILE,
     TINY_DSA_CONFIG,
     TINY_FULL_ATTN_LAYERS,

@@ -29,7 +29,7 @@ from model_builders import (
 )
 
 import vllm.models.kimi_k3.nvidia.dsa as D
-from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+from kimi_k3_dsa_tools.tiny_checkpoint import (
     TINY_DSA_CONFIG,
     tiny_text_config,
     write_tiny_checkpoint,
@@ -699,8 +699,8 @@ def test_missing_dsa_tensor_named_through_vllms_loader(
 
     from safetensors.torch import save_file
 
+    from kimi_k3_dsa_tools.tiny_checkpoint import CHECKPOINT_FILE
     from vllm.model_executor.model_loader import get_model_loader
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import CHECKPOINT_FILE
 
     env = dsa_layer_env
     path = write_tiny_checkpoint(tmp_path / "k31")

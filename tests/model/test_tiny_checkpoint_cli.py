@@ -23,8 +23,8 @@ import pytest
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from vllm.entrypoints.kimi_k3_dsa import tiny_checkpoint as cli  # noqa: E402
-from vllm.models.kimi_k3.common import dsa_tiny_checkpoint as T  # noqa: E402
+from kimi_k3_dsa_tools import tiny_checkpoint as T  # noqa: E402
+from kimi_k3_dsa_tools import tiny_checkpoint_cli as cli  # noqa: E402
 
 PROG = "kimi-k3-dsa-tiny-checkpoint"
 EXTRAS = ("model.safetensors.index.json", "tokenizer.json")

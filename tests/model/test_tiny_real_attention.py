@@ -41,11 +41,11 @@ from layer_builders import build
 
 safetensors = pytest.importorskip("safetensors")
 
-from vllm.entrypoints.kimi_k3_dsa import kv_plan  # noqa: E402
-from vllm.entrypoints.kimi_k3_dsa import tiny_checkpoint as cli  # noqa: E402
-from vllm.models.kimi_k3.common import dsa_kv_plan_inputs as plan_inputs  # noqa: E402
-from vllm.models.kimi_k3.common import dsa_tiny_checkpoint as T  # noqa: E402
-from vllm.models.kimi_k3.common import dsa_tiny_weights as W  # noqa: E402
+from kimi_k3_dsa_tools import kv_plan_cli  # noqa: E402
+from kimi_k3_dsa_tools import kv_plan_inputs as plan_inputs  # noqa: E402
+from kimi_k3_dsa_tools import tiny_checkpoint as T  # noqa: E402
+from kimi_k3_dsa_tools import tiny_checkpoint_cli as cli  # noqa: E402
+from kimi_k3_dsa_tools import tiny_weights as W  # noqa: E402
 
 TP_SIZES = (1, 2, 8)
 HEADS = 96
@@ -58,7 +58,7 @@ KDA_HEADS, KDA_DIM = 80, 128
 REAL_BLOCK = {1: 8192, 2: 4096, 8: 1024}
 MAX_MODEL_LEN = 4096
 KV_BUDGET = 2**30
-BUNDLED = Path(plan_inputs.__file__).parent / "data" / plan_inputs.BUNDLED_CONFIG
+BUNDLED = Path(plan_inputs.__file__).parent / plan_inputs.BUNDLED_CONFIG
 DSA_LAYER = T.TINY_REAL_ATTENTION_FULL_ATTN_LAYERS[0] - 1  # 0-indexed
 # The fields of Kimi K3.1's attention, as the bundled config spells them.
 ATTENTION_FIELDS = (
@@ -101,7 +101,7 @@ def engine_configs(checkpoint: Path) -> dict[int, Any]:
 def plan(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
     """``kimi-k3-dsa-kv-plan ARGS --json``, in-process."""
     capsys.readouterr()  # drop vLLM's logs of earlier steps
-    assert kv_plan.main([*args, "--json"]) == 0
+    assert kv_plan_cli.main([*args, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 

@@ -95,6 +95,14 @@ def test_every_file_of_ours_in_exactly_one_patch() -> None:
         and not series._is_build_output(f)
     ]
     assert set(ours) <= set(added)
+    # The development tools travel with the tests, not as vLLM modules, and
+    # the series declares no console scripts of them.
+    (tests_patch,) = [p for p in patches if p.slug == "tests"]
+    tools = [f for f in files if f.startswith("kimi_k3_dsa_tools/")]
+    assert "kimi_k3_dsa_tools/tiny_checkpoint.py" in tools
+    assert {series.upstream_tool_path(f) for f in tools} <= set(tests_patch.files)
+    assert not any("kimi_k3_dsa_tools" in a for a in added if a.startswith("vllm/"))
+    assert not any(e.path == "pyproject.toml" for p in patches for e in p.edits)
     overlay_only = series.overlay_only_modules(ROOT, files)
     assert "tests/config/test_plugin.py" in overlay_only
     assert not any(series.upstream_test_path(t) in added for t in overlay_only)

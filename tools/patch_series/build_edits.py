@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # ruff: noqa: E501 (the strings quote lines of vLLM's files verbatim)
-"""Edits of vLLM's build files: the ``_kimi_k3_C`` CMake target, its entry in
-``setup.py``, the package data and console scripts of the new modules.
+"""Edits of vLLM's build files: the ``_kimi_k3_C`` CMake target and its entry
+in ``setup.py``.
 
-What varies with this repository (the kernel sources, the scripts) is read
-from it when the series is generated, never listed here by hand.
+What varies with this repository (the kernel sources) is read from it when
+the series is generated, never listed here by hand.
 """
 
 from __future__ import annotations
@@ -96,25 +96,5 @@ def kernel_edits() -> tuple[Edit, ...]:
             '    ext_modules.append(CMakeExtension(name="vllm.tml_fa4", optional=True))\n',
             "    # Kimi K3.1 DSA kernels; an empty target without SM90a/SM100a.\n"
             '    ext_modules.append(CMakeExtension(name="vllm._kimi_k3_C", optional=True))\n',
-        ),
-    )
-
-
-def cli_edits(scripts: dict[str, str], data_globs: list[str]) -> tuple[Edit, ...]:
-    """Console scripts in vLLM's pyproject.toml and the package data the
-    CLIs read (globs relative to ``vllm/``) in its setup.py."""
-    script_lines = "".join(f'{name} = "{target}"\n' for name, target in scripts.items())
-    data_lines = "".join(f'        "{glob}",\n' for glob in data_globs)
-    return (
-        insert_after(
-            "pyproject.toml",
-            '[project.scripts]\nvllm = "vllm.entrypoints.cli.main:main"\n',
-            script_lines,
-        ),
-        insert_after(
-            "setup.py",
-            '        "transformers_utils/chat_templates/*.jinja",\n',
-            "        # Kimi K3.1's bundled config (KV plan, tiny checkpoint CLIs)\n"
-            + data_lines,
         ),
     )

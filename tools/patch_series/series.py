@@ -124,21 +124,6 @@ MODULE_GROUPS: tuple[Group, ...] = (
         "Kimi K3's decoder does not build them yet (see the dsa_layers patch).",
         (f"{_K3}/nvidia/dsa*.py",),
     ),
-    Group(
-        "clis",
-        "[Model] Kimi K3.1 DSA: KV-plan and tiny-checkpoint CLIs",
-        "kimi-k3-dsa-kv-plan prints the KV cache plan of a Kimi K3.1 deployment\n"
-        "without a GPU (checking the config with the engine's own rules first);\n"
-        "kimi-k3-dsa-tiny-checkpoint writes a tiny Kimi K3.1 checkpoint for a\n"
-        "one-GPU smoke test. Both are console scripts; the bundled Kimi K3.1\n"
-        "config ships as package data.",
-        (
-            "vllm/entrypoints/kimi_k3_dsa/**",
-            f"{_K3}/common/dsa_kv_plan*.py",
-            f"{_K3}/common/dsa_tiny_*.py",
-            f"{_K3}/common/data/**",
-        ),
-    ),
 )
 
 KERNELS = Group(
@@ -158,10 +143,17 @@ TESTS = Group(
     "[Test] Kimi K3.1 DSA: CPU and GPU tests",
     "The CPU suite (config rules, cache bytes and block sizes on vLLM's own\n"
     "planner, layer construction and forward on the CPU, weight loading, the\n"
-    "CLIs) and the GPU tests of the kernels and of serving.\n"
+    "KV plan and the tiny checkpoint) and the GPU tests of the kernels and of\n"
+    "serving. The tiny-checkpoint generator the fixtures build checkpoints\n"
+    "with, and the KV plan, come along as kimi_k3_dsa_tools/ beside the tests\n"
+    "(imported as the tests' other helpers are; not shipped in vllm/).\n"
     "Run the CPU part with: pytest -m 'not gpu' tests/models/kimi_k3/dsa",
     ("tests/**",),
 )
+# The overlay's development tools (KV plan, tiny checkpoint), a top-level
+# package of the overlay's distribution: vLLM never imports them, so in
+# vLLM's tree they travel with the tests that use them (upstream_tool_path).
+TOOLS = Group("tools", "", "", ("kimi_k3_dsa_tools/**",))
 BENCHMARKS = Group(
     "benchmarks",
     "[Perf] Kimi K3.1 DSA: kernel, layer and fidelity benchmarks",
@@ -184,6 +176,13 @@ def upstream_test_path(path: str) -> str:
     if rel.parts[0] == "kernels":
         return str(PurePosixPath("tests/kernels/kimi_k3_dsa", *rel.parts[1:]))
     return str(PurePosixPath("tests/models/kimi_k3/dsa", rel))
+
+
+def upstream_tool_path(path: str) -> str:
+    """The tool package beside the tests' helpers, where their rootdir
+    conftest puts it on ``sys.path`` as here:
+    kimi_k3_dsa_tools/x.py -> tests/models/kimi_k3/dsa/kimi_k3_dsa_tools/x.py."""
+    return str(PurePosixPath("tests/models/kimi_k3/dsa", path))
 
 
 def upstream_csrc_path(path: str) -> str:
@@ -380,12 +379,7 @@ def build_series(root: Path) -> list[Patch]:
 
     for group in MODULE_GROUPS:
         paths = by_group[group.slug]
-        patch = new_files_patch(group, paths, {p: p for p in paths})
-        if group.slug == "clis":
-            patch.edits = build_edits.cli_edits(
-                _console_scripts(root), _package_data_globs(paths)
-            )
-        patches.append(patch)
+        patches.append(new_files_patch(group, paths, {p: p for p in paths}))
         if group.slug == "ops":
             patches.append(_kernels_patch(root, files, new_files_patch))
 
@@ -419,7 +413,10 @@ def build_series(root: Path) -> list[Patch]:
 
     overlay_only = set(overlay_only_modules(root, files))
     tests = [f for f in files if f.startswith("tests/") and f not in overlay_only]
-    patch = new_files_patch(TESTS, tests, {p: upstream_test_path(p) for p in tests})
+    tools = [f for f in files if TOOLS.matches(f)]
+    dest = {p: upstream_test_path(p) for p in tests}
+    dest.update({p: upstream_tool_path(p) for p in tools})
+    patch = new_files_patch(TESTS, tests + tools, dest)
     if overlay_only:
         patch.body += (
             "\n\nNot included (they test the overlay's plugin mechanism, which "
@@ -444,23 +441,3 @@ def _kernels_patch(root: Path, files: list[str], new_files_patch) -> Patch:
     patch.files[build_edits.CMAKE_MODULE] = (module.encode(), 0o100644)
     patch.edits = build_edits.kernel_edits()
     return patch
-
-
-def _console_scripts(root: Path) -> dict[str, str]:
-    """Our console scripts, as this repository's pyproject.toml declares them."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-    with (root / "pyproject.toml").open("rb") as f:
-        return dict(tomllib.load(f)["project"].get("scripts", {}))
-
-
-def _package_data_globs(paths: list[str]) -> list[str]:
-    """Globs (relative to ``vllm/``) covering the non-Python files of a group."""
-    globs = set()
-    for path in paths:
-        p = PurePosixPath(path)
-        if p.suffix != ".py":
-            globs.add(str(p.parent.relative_to("vllm") / f"*{p.suffix}"))
-    return sorted(globs)

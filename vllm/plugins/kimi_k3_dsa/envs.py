@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Seam: vLLM knows our environment variables.
 
 Upstream target: ``vllm/envs.py`` ``environment_variables``.
@@ -15,9 +16,13 @@ the config check, to reproduce its known wrong output) and
 SM90, which changes the KV layout and the attention metadata) are registered
 beside it.
 
-In-tree edit: an entry ``"VLLM_KIMI_K3_DSA_FORCE_WRAPPER": lambda:
-bool(int(os.getenv(...)))`` in ``environment_variables``, and one for
-``VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP`` and ``VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES``.
+This table is where the switches are declared, each with its reader from
+``common/dsa_envs.py`` (which refuses a malformed value); the config verifier
+parses every ``VLLM_KIMI_K3_DSA_*`` entry of it (``check_env_switches``).
+
+In-tree edit: the three names in ``envs.py``'s typed list and an entry for
+each in ``environment_variables`` that calls the same reader, imported on its
+first read (``envs.py`` imports no model code).
 """
 
 from vllm.models.kimi_k3.common.dsa_envs import (

@@ -1,10 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The environment switches of Kimi K3.1 DSA and how they are read.
 
 Each changes what runs (the compiled graph, the KV layout or the refusals),
-so the ``vllm.plugins.kimi_k3_dsa`` seams register them with vLLM's
-``environment_variables`` (part of the torch.compile cache key). A value
-other than 0/1/true/false is refused rather than guessed.
+so each is declared where vLLM declares its own, in ``vllm.envs``'
+``environment_variables`` (part of the torch.compile cache key), with the
+reader below (the ``envs`` seam of ``vllm.plugins.kimi_k3_dsa``; in-tree, an
+entry of ``vllm/envs.py``). That table is the one list of them: this module
+defines each switch's name and reader once and keeps no list of its own. A
+value other than 0/1/true/false is refused rather than guessed.
 """
 
 import os
@@ -13,17 +17,15 @@ import os
 # insert (upstream ops only, none of vllm._kimi_k3_C's kernels), e.g. to
 # compare that path with the fused forward on the same checkpoint.
 FORCE_WRAPPER_ENV = "VLLM_KIMI_K3_DSA_FORCE_WRAPPER"
-# Decode context parallelism gave wrong tokens on the H200 (docs/serving.md),
-# so it is refused unless a developer opts in to reproduce that.
+# Decode context parallelism serves wrong tokens (docs/serving.md), so it is
+# refused unless a developer opts in to reproduce that.
 EXPERIMENTAL_DCP_ENV = "VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP"
 # Split the packed row's MLA pages into FlashMLA sparse's 64-token kernel pages
 # on SM90 too (SM10x always reads them so): the Blackwell page path, on Hopper.
 MLA_KERNEL_PAGES_ENV = "VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES"
+# Every switch's name starts so; vLLM's table lists them under it.
+ENV_PREFIX = "VLLM_KIMI_K3_DSA_"
 _ENV_BOOLS = {"0": False, "false": False, "1": True, "true": True}
-# Every switch above: each is parsed when a config is verified
-# (:func:`check_env_switches`), not first when a layer, the cache or vLLM's
-# compile cache happens to read it.
-ENV_SWITCHES = (FORCE_WRAPPER_ENV, EXPERIMENTAL_DCP_ENV, MLA_KERNEL_PAGES_ENV)
 
 
 def _env_flag(name: str) -> bool:
@@ -39,11 +41,15 @@ def _env_flag(name: str) -> bool:
 
 
 def check_env_switches() -> None:
-    """Parse every switch of ours, so that a value we do not understand is
-    refused at startup, naming it, even when nothing would read it until the
-    model is built (or ever, in this configuration)."""
-    for name in ENV_SWITCHES:
-        _env_flag(name)
+    """Parse every switch of ours that vLLM declares, so that a value we do
+    not understand is refused when the config is verified, naming it, not
+    first when a layer, the cache or vLLM's compile cache happens to read it
+    (or never, in this configuration)."""
+    import vllm.envs as envs
+
+    for name, read in envs.environment_variables.items():
+        if name.startswith(ENV_PREFIX):
+            read()
 
 
 def force_wrapper_forward() -> bool:

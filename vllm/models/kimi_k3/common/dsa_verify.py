@@ -227,31 +227,6 @@ def check_dsa_deployment(
     check_sparse_mla_heads(text_config.num_attention_heads, tensor_parallel_size)
 
 
-def verify_max_model_len(text_config: Any, max_model_len: int | None) -> int:
-    """The ``max_model_len`` vLLM 0.33.0 serves ``text_config`` with, by its
-    own check (``ModelConfig.get_and_verify_max_len``: the model's
-    ``max_position_embeddings`` and rope scaling, ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``),
-    for a caller without a ``ModelConfig``: the KV plan command, which must
-    refuse the ``--max-model-len`` that ``vllm serve`` refuses."""
-    from vllm.config.model import _get_and_verify_max_len
-    from vllm.transformers_utils.model_arch_config_convertor import (
-        MODEL_ARCH_CONFIG_CONVERTORS,
-        ModelArchConfigConvertorBase,
-    )
-
-    convertor_cls = MODEL_ARCH_CONFIG_CONVERTORS.get(
-        text_config.model_type, ModelArchConfigConvertorBase
-    )
-    return _get_and_verify_max_len(
-        hf_config=text_config,
-        model_arch_config=convertor_cls(text_config, text_config).convert(),
-        tokenizer_config=None,
-        max_model_len=max_model_len,
-        disable_sliding_window=False,
-        sliding_window=None,
-    )
-
-
 def check_topk_buffer_budget(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
     """The model-level top-k buffer (rows x ``index_topk`` x 4 B, int32) is
     allocated when the model is built: check it against the memory vLLM may

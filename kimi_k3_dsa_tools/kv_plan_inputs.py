@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The inputs of a KV cache plan, read and checked before any arithmetic.
 
 A plan is only as good as the model it is made for, so a checkpoint's
@@ -161,9 +162,8 @@ def load_text_config(path: str | Path | None) -> tuple[KimiLinearDSAConfig, str]
     bundled Kimi K3.1 config) and a name for it; see
     :func:`build_text_config`."""
     if path is None:
-        # Beside this module (installed or editable): a namespace package's
-        # resources would resolve to upstream's tree.
-        data = Path(__file__).resolve().parent / "data" / BUNDLED_CONFIG
+        # Package data, beside this module (installed or editable).
+        data = Path(__file__).resolve().parent / BUNDLED_CONFIG
         raw, name = _read_json(data, "bundled config"), f"bundled {BUNDLED_CONFIG}"
     else:
         config_path = _config_path(path, "--config")
@@ -282,6 +282,31 @@ def _check_field_types(text: Mapping[str, Any], name: str) -> None:
     for field in ("num_heads", "head_dim", "short_conv_kernel_size"):
         value = linear.get(field, _MISSING)
         _require_int(name, f"linear_attn_config.{field}", value, minimum=1)
+
+
+def verify_max_model_len(text_config: Any, max_model_len: int | None) -> int:
+    """The ``max_model_len`` vLLM 0.33.0 serves ``text_config`` with, by its
+    own check (``ModelConfig.get_and_verify_max_len``: the model's
+    ``max_position_embeddings`` and rope scaling, ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``),
+    for a caller without a ``ModelConfig``: the plan must refuse the
+    ``--max-model-len`` that ``vllm serve`` refuses."""
+    from vllm.config.model import _get_and_verify_max_len
+    from vllm.transformers_utils.model_arch_config_convertor import (
+        MODEL_ARCH_CONFIG_CONVERTORS,
+        ModelArchConfigConvertorBase,
+    )
+
+    convertor_cls = MODEL_ARCH_CONFIG_CONVERTORS.get(
+        text_config.model_type, ModelArchConfigConvertorBase
+    )
+    return _get_and_verify_max_len(
+        hf_config=text_config,
+        model_arch_config=convertor_cls(text_config, text_config).convert(),
+        tokenizer_config=None,
+        max_model_len=max_model_len,
+        disable_sliding_window=False,
+        sliding_window=None,
+    )
 
 
 def load_draft_config(path: str | Path) -> tuple[dict[str, Any], str]:

@@ -1,17 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A tiny random Kimi K3.1 checkpoint, for tests and for smoke-testing
 ``vllm serve`` on one GPU.
 
-Writes the checkpoint of :mod:`vllm.models.kimi_k3.common.dsa_tiny_checkpoint`
+Writes the checkpoint of :mod:`kimi_k3_dsa_tools.tiny_checkpoint`
 (``config.json`` and ``model.safetensors``) into a new directory; see there
 for what it holds. ``--real-attention`` gives Kimi K3.1's attention at its
 real size with the rest still small, for tensor-parallel tests.
 
-    python -m vllm.entrypoints.kimi_k3_dsa.tiny_checkpoint OUT_DIR
+    python -m kimi_k3_dsa_tools.tiny_checkpoint_cli OUT_DIR
     vllm serve OUT_DIR --skip-tokenizer-init --max-model-len 1024
 
     # multimodal (KimiK3ForConditionalGeneration): the MTP draft needs it
-    python -m vllm.entrypoints.kimi_k3_dsa.tiny_checkpoint OUT_DIR --multimodal
+    python -m kimi_k3_dsa_tools.tiny_checkpoint_cli OUT_DIR --multimodal
     vllm serve OUT_DIR --skip-tokenizer-init --max-model-len 1024 \\
         --speculative-config '{"method": "kimi_k3_mtp", "num_speculative_tokens": 1}'
 
@@ -40,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import (
+from kimi_k3_dsa_tools.tiny_checkpoint import (
     CHECKPOINT_FILE,
     checkpoint_dir_mode,
     real_attention_overrides,

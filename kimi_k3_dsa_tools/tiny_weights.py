@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The tensors of the tiny Kimi K3.1 checkpoint: every weight of a Kimi K3(.1)
 checkpoint in the real naming, with its shape, and reproducible random values
 for them.
@@ -10,7 +11,7 @@ checkpoint names it (``self_attn.indexer.{wq_b, wk, weights_proj, k_norm}``),
 MoE layers one tensor per expert, and MTP layers their own embedding copy and
 head. A loader test that reads these tensors therefore exercises the same
 name mapping and fusing a real checkpoint goes through.
-:mod:`~vllm.models.kimi_k3.common.dsa_tiny_checkpoint` writes them.
+:mod:`~kimi_k3_dsa_tools.tiny_checkpoint` writes them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A tiny random Kimi K3.1 checkpoint, for tests and for smoke-testing
 ``vllm serve`` on one GPU.
 
@@ -11,7 +12,7 @@ shrinks the rest: a few layers with both KDA and DSA layers and one MTP
 layer.
 :func:`write_tiny_checkpoint` writes ``config.json`` plus random weights in the
 real checkpoint naming (``model.safetensors``, from
-:mod:`~vllm.models.kimi_k3.common.dsa_tiny_weights`): the text-only
+:mod:`~kimi_k3_dsa_tools.tiny_weights`): the text-only
 ``KimiLinearForCausalLM`` layout (``model.layers.N.*``, ``lm_head``), or with
 ``prefix="language_model."`` the text part of the multimodal
 ``KimiK3ForConditionalGeneration`` naming; ``multimodal=True`` writes the
@@ -24,9 +25,8 @@ with the rest still small, for tensor-parallel tests; see
 :data:`TINY_REAL_ATTENTION`.
 
 The writers here update a directory in place (tests rewrite a config beside
-their own files); ``kimi-k3-dsa-tiny-checkpoint``
-(``vllm.entrypoints.kimi_k3_dsa.tiny_checkpoint``) writes whole new
-directories with the same files.
+their own files); ``kimi-k3-dsa-tiny-checkpoint`` (:mod:`.tiny_checkpoint_cli`)
+writes whole new directories with the same files.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm.models.kimi_k3.common.dsa_tiny_weights import (
+from kimi_k3_dsa_tools.tiny_weights import (
     tiny_checkpoint_tensors,
     tiny_vision_tensors,
 )

@@ -1,15 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The KV cache plan of a Kimi K3.1 DSA deployment, without a GPU or weights.
 
-For a checked text config (:mod:`dsa_kv_plan_inputs`), a TP size, a KV cache
+For a checked text config (:mod:`.kv_plan_inputs`), a TP size, a KV cache
 budget per GPU, the indexer key dtype and an optional dense MLA draft,
 :func:`make_plan` computes what the packed KV cache of vLLM 0.33.0 with this
 series holds: the per-token bytes of each DSA cache (``fp8_ds_mla`` MLA and
 indexer keys), the KDA states of one request, the block size, and how many
 tokens and full-length requests fit. It uses the same arithmetic the engine
 sizes the cache with (``dsa_block_size``, ``dsa_cache``), so the numbers are
-the engine's. ``kimi-k3-dsa-kv-plan`` (``vllm.entrypoints.kimi_k3_dsa.kv_plan``)
-prints them.
+the engine's. ``kimi-k3-dsa-kv-plan`` (:mod:`.kv_plan_cli`) prints them.
 
 Model of the cache (block-outermost packed layout, ``mamba_cache_mode``
 ``none``): every block row holds all DSA layers' MLA and indexer pages for
@@ -26,10 +26,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.models.kimi_k3.common.dsa_kv_plan_inputs import (
+from kimi_k3_dsa_tools.kv_plan_inputs import (
     PlanError,
     draft_mla_dims,
     one_line,
+    verify_max_model_len,
 )
 
 if TYPE_CHECKING:
@@ -108,7 +109,6 @@ def make_plan(
         check_dsa_deployment,
         indexer_kv_dtype_is_fp4,
         resolve_dsa_cache_dtype,
-        verify_max_model_len,
     )
 
     # The flags, on their own.

@@ -1,20 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Plan the KV cache of a Kimi K3.1 DSA deployment, without a GPU or weights.
 
 From a checkpoint's ``config.json`` (default: the bundled Kimi K3.1 config), a
 TP size, a KV cache budget per GPU, the indexer key dtype and an optional
 dense MLA draft, print what the packed KV cache of vLLM 0.33.0 with this
-series holds (:mod:`vllm.models.kimi_k3.common.dsa_kv_plan`): the per-token
+series holds (:mod:`kimi_k3_dsa_tools.kv_plan`): the per-token
 bytes of each DSA cache, the KDA states of one request, the block size, and
 how many tokens and full-length requests fit.
 
 The config is built and checked with the engine's own config classes and
-rules before any arithmetic (:mod:`~vllm.models.kimi_k3.common.dsa_kv_plan_inputs`):
+rules before any arithmetic (:mod:`~kimi_k3_dsa_tools.kv_plan_inputs`):
 a checkpoint that ``vllm serve`` refuses, or a bad flag, is refused with one
 line on stderr that names the file and the field, and exit status 2.
 
     kimi-k3-dsa-kv-plan --tp 8 --kv-budget 60GiB
-    python -m vllm.entrypoints.kimi_k3_dsa.kv_plan --config ckpt/config.json
+    python -m kimi_k3_dsa_tools.kv_plan_cli --config ckpt/config.json
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import sys
 from dataclasses import asdict
 from typing import NoReturn
 
-from vllm.models.kimi_k3.common.dsa_kv_plan import format_plan, make_plan
-from vllm.models.kimi_k3.common.dsa_kv_plan_inputs import (
+from kimi_k3_dsa_tools.kv_plan import format_plan, make_plan
+from kimi_k3_dsa_tools.kv_plan_inputs import (
     PlanError,
     load_draft_config,
     load_text_config,
