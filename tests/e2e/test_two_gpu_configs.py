@@ -85,7 +85,7 @@ def _packed_block_size(config: Any) -> int:
         packed_dsa_block_size,
         target_mla_bytes_per_token,
     )
-    from vllm.models.kimi_k3.common.dsa_kv_plan import KERNEL_BLOCK_SIZES
+    from vllm.models.kimi_k3.common.dsa_formats import KERNEL_BLOCK_SIZES
 
     block = packed_dsa_block_size(
         config,

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm.models.kimi_k3.common.dsa_formats import KERNEL_BLOCK_SIZES
 from vllm.models.kimi_k3.common.dsa_kv_plan_inputs import (
     PlanError,
     draft_mla_dims,
@@ -34,10 +35,6 @@ from vllm.models.kimi_k3.common.dsa_kv_plan_inputs import (
 
 if TYPE_CHECKING:
     from vllm.models.kimi_k3.common.dsa_config import KimiLinearDSAConfig
-
-# Kernel pages of the two DSA caches on CUDA: DeepGEMM's indexer reads 64-token
-# pages, FlashMLA sparse multiples of 64.
-KERNEL_BLOCK_SIZES = (64, 64)
 
 
 @dataclass(frozen=True)
