@@ -32,13 +32,10 @@ from kimi_k3_dsa_tools.kv_plan_inputs import (
     one_line,
     verify_max_model_len,
 )
+from vllm.models.kimi_k3.common.dsa_formats import KERNEL_BLOCK_SIZES
 
 if TYPE_CHECKING:
     from vllm.models.kimi_k3.common.dsa_config import KimiLinearDSAConfig
-
-# Kernel pages of the two DSA caches on CUDA: DeepGEMM's indexer reads 64-token
-# pages, FlashMLA sparse multiples of 64.
-KERNEL_BLOCK_SIZES = (64, 64)
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ from recipes import (  # noqa: E402
     write_tiny_checkpoint_dir,
 )
 
+from vllm.models.kimi_k3.common import dsa_formats  # noqa: E402
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats, reference  # noqa: E402
 
 # KimiK3DSAIndexer: weight_scale = index_head_dim**-0.5 * index_num_heads**-0.5.
@@ -122,7 +123,7 @@ def decode_indexer_entries(
         # Four equal UE8M0 bytes: the biased exponent of the row's scale.
         if not torch.equal(scales, scales[:, :1].expand_as(scales)):
             raise AssertionError("UE8M0 scale word with unequal bytes")
-        scale = formats.exp2_int(scales[:, 0].to(torch.int32) - formats.UE8M0_BIAS)
+        scale = formats.exp2_int(scales[:, 0].to(torch.int32) - dsa_formats.UE8M0_BIAS)
     else:
         scale = scales.contiguous().view(torch.float32).squeeze(-1)
     return formats.fp8_e4m3_decode(values) * scale[:, None]
@@ -133,12 +134,14 @@ def decode_fp8_ds_mla(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     entries ``[N, 656]``: 4 tiles of 128 e4m3 codes times their fp32 scale,
     then the rope values as raw bf16."""
     n = entries.shape[0]
-    nope, tile = formats.DS_MLA_NOPE_DIM, formats.DS_MLA_TILE
+    nope, tile = dsa_formats.DS_MLA_NOPE_DIM, dsa_formats.DS_MLA_TILE
     codes = entries[:, :nope]
-    scale_bytes = entries[:, formats.DS_MLA_SCALE_OFFSET : formats.DS_MLA_ROPE_OFFSET]
+    scale_bytes = entries[
+        :, dsa_formats.DS_MLA_SCALE_OFFSET : dsa_formats.DS_MLA_ROPE_OFFSET
+    ]
     scales = scale_bytes.contiguous().view(torch.float32)  # [N, 4]
     latent = formats.fp8_e4m3_decode(codes).view(n, -1, tile) * scales[..., None]
-    rope = entries[:, formats.DS_MLA_ROPE_OFFSET :].contiguous()
+    rope = entries[:, dsa_formats.DS_MLA_ROPE_OFFSET :].contiguous()
     return latent.view(n, nope), rope.view(torch.bfloat16).float()
 
 
@@ -162,7 +165,7 @@ def indexer_cache(k: torch.Tensor, fp4: bool, mx_scales: bool) -> IndexerCache:
     indexer cache at slots ``0..N-1`` and read the bytes back."""
     n, head_dim = k.shape
     num_blocks = -(-n // CACHE_BLOCK)
-    entry = formats.indexer_entry_bytes(head_dim, fp4)
+    entry = dsa_formats.indexer_entry_bytes(head_dim, fp4)
     cache = torch.zeros(
         num_blocks, CACHE_BLOCK, entry, dtype=torch.uint8, device=k.device
     )
@@ -193,14 +196,14 @@ def check_prologue_bytes(inputs: LayerInputs, tokens: int = 256) -> None:
     q_c = torch.zeros(n, 64, dtype=torch.bfloat16, device=dev)
     q_w = torch.ones(64, device=dev)
     for fp4, mx in ((False, False), (False, True), (True, False)):
-        entry = formats.indexer_entry_bytes(INDEX_HEAD_DIM, fp4)
+        entry = dsa_formats.indexer_entry_bytes(INDEX_HEAD_DIM, fp4)
         index_cache = torch.zeros(
             num_blocks, CACHE_BLOCK, entry, dtype=torch.uint8, device=dev
         )
         mla_cache = torch.zeros(
             num_blocks,
             CACHE_BLOCK,
-            formats.DS_MLA_ENTRY_BYTES,
+            dsa_formats.DS_MLA_ENTRY_BYTES,
             dtype=torch.uint8,
             device=dev,
         )
@@ -235,7 +238,7 @@ def check_prologue_bytes(inputs: LayerInputs, tokens: int = 256) -> None:
         same = torch.equal(ours.values, got.values) and torch.equal(
             ours.scales, got.scales
         )
-        mla_bytes = mla_cache.view(-1, formats.DS_MLA_ENTRY_BYTES)[:n]
+        mla_bytes = mla_cache.view(-1, dsa_formats.DS_MLA_ENTRY_BYTES)[:n]
         same = same and torch.equal(mla_bytes, expect_mla)
         if not same:
             raise AssertionError(
@@ -484,7 +487,7 @@ def run_case(
             "k4": k4,
             "k4_bytes": mx.values,
             "latent": latent,
-            "latent_bytes": entries[:, : formats.DS_MLA_NOPE_DIM],
+            "latent_bytes": entries[:, : dsa_formats.DS_MLA_NOPE_DIM],
             "pe": pe,
         }
     # Diagnostics: the keys' share of the loss (bf16 query, fp32 logits).

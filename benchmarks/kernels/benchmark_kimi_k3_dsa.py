@@ -46,6 +46,7 @@ if str(REPO_ROOT) not in sys.path:
     # Run from a checkout without installing (the GPU machine has no vLLM).
     sys.path.insert(0, str(REPO_ROOT))
 
+from vllm.models.kimi_k3.common import dsa_formats  # noqa: E402
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats, reference  # noqa: E402
 from vllm.models.kimi_k3.nvidia.dsa_ops import indexer_q_quant as qq  # noqa: E402
 
@@ -199,7 +200,7 @@ def insert_case(dims: Dims, fp4: bool) -> Case:
 
     # UE8M0 scale words where the device reads them (fp8 keys only).
     mx = not fp4 and formats.use_mx_scales(torch.device(DEVICE))
-    entry = formats.indexer_entry_bytes(dims.index_head_dim, fp4)
+    entry = dsa_formats.indexer_entry_bytes(dims.index_head_dim, fp4)
 
     def make(t: int, n: int) -> dict:
         slots, num_blocks = slot_sets(dims, t, n)
@@ -268,8 +269,8 @@ def prologue_case(dims: Dims, fp4: bool) -> Case:
     from vllm.models.kimi_k3.nvidia.dsa_ops import fused_prologue as fp
 
     mx = not fp4 and formats.use_mx_scales(torch.device(DEVICE))
-    entry = formats.indexer_entry_bytes(dims.index_head_dim, fp4)
-    mla_entry = formats.DS_MLA_ENTRY_BYTES
+    entry = dsa_formats.indexer_entry_bytes(dims.index_head_dim, fp4)
+    mla_entry = dsa_formats.DS_MLA_ENTRY_BYTES
 
     def make(t: int, n: int) -> dict:
         slots, num_blocks = slot_sets(dims, t, n)

@@ -8,13 +8,11 @@
 #include <cstdint>
 #include <string>
 
+#include "dsa_formats.h"
 #include "dsa_ops.h"
 
 namespace kimi_k3 {
 namespace {
-
-constexpr int64_t kIndexDim = 128;
-constexpr int64_t kDsMlaEntry = 656;
 
 // Numbers go into messages as std::string: streaming integers through the
 // std::ostream of TORCH_CHECK crashed on the H200 image's toolchain (a newer
@@ -50,14 +48,15 @@ void check_bf16_rows(const at::Tensor& t, int64_t width, const char* name,
   TORCH_CHECK(t.dim() == 2 && t.size(1) == width, name, " must be [T, ", num(width),
               "], got ", shape(t));
   TORCH_CHECK(t.stride(1) == 1, name, " must be contiguous in its last dim");
-  TORCH_CHECK(t.size(0) <= 1 || t.stride(0) % 8 == 0, name,
-              ": the row stride must be a multiple of 8 elements (16 bytes)");
+  TORCH_CHECK(t.size(0) <= 1 || t.stride(0) % kKernelRowAlignElements == 0,
+              name, ": the row stride must be a multiple of ",
+              num(kKernelRowAlignElements), " elements (16 bytes)");
   TORCH_CHECK(aligned16(t), name, " must be 16-byte aligned");
 }
 
 void check_index_key(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  check_bf16_rows(t, kIndexDim, name, t);
+  check_bf16_rows(t, kKernelIndexHeadDim, name, t);
 }
 
 void check_norm_param(const at::Tensor& t, at::ScalarType dtype,
@@ -85,7 +84,7 @@ void check_slot_mapping(const at::Tensor& t, int64_t max_tokens,
 void check_indexer_cache(const at::Tensor& t, bool fp4,
                          const at::Tensor& like) {
   check_same_device(t, "index kv_cache", like);
-  const int64_t entry = fp4 ? kIndexDim / 2 + kIndexDim / 32 : kIndexDim + 4;
+  const int64_t entry = fp4 ? kIndexerFp4EntryBytes : kIndexerFp8EntryBytes;
   TORCH_CHECK(t.scalar_type() == at::kByte,
               "index kv_cache must be uint8, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 3 && t.size(2) == entry,
@@ -104,13 +103,12 @@ void check_mla_cache(const at::Tensor& t, const at::Tensor& like) {
   check_same_device(t, "mla kv_cache", like);
   TORCH_CHECK(t.scalar_type() == at::kByte, "mla kv_cache must be uint8, got ",
               t.scalar_type());
-  TORCH_CHECK(t.dim() == 3 && t.size(2) == kDsMlaEntry,
-              "mla kv_cache must be [num_blocks, block_size, 656] "
-              "(fp8_ds_mla), got ",
-              shape(t));
+  TORCH_CHECK(t.dim() == 3 && t.size(2) == kDsMlaEntryBytes,
+              "mla kv_cache must be [num_blocks, block_size, ",
+              num(kDsMlaEntryBytes), "] (fp8_ds_mla), got ", shape(t));
   if (t.numel() == 0) return;
   TORCH_CHECK(t.stride(2) == 1, "mla kv_cache: entries must be contiguous");
-  TORCH_CHECK(t.stride(1) >= kDsMlaEntry && t.stride(1) % 16 == 0 &&
+  TORCH_CHECK(t.stride(1) >= kDsMlaEntryBytes && t.stride(1) % 16 == 0 &&
                   t.stride(0) % 16 == 0 && aligned16(t),
               "mla kv_cache: entries must be 16-byte aligned and disjoint");
   TORCH_CHECK(t.size(0) == 1 || t.stride(0) >= t.size(1) * t.stride(1),

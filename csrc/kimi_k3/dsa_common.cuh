@@ -3,7 +3,8 @@
 //
 // Device helpers shared by the Kimi K3.1 DSA cache writers. Every encoding
 // here has a pure-torch twin in vllm/models/kimi_k3/nvidia/dsa_ops/formats.py;
-// the two must stay bit-identical (the python one is the contract).
+// the two must stay bit-identical (the python one is the contract). Their
+// numbers come from dsa_formats.h.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -11,37 +12,23 @@
 
 #include <cstdint>
 
+#include "dsa_formats.h"
+
 namespace kimi_k3 {
-
-constexpr int kIndexDim = 128;         // indexer head dim
-constexpr int kQDim = 1536;            // q_lora_rank
-constexpr int kKvDim = 512;            // kv_lora_rank
-constexpr int kRopeDim = 64;           // qk_rope_head_dim
-constexpr int kDsMlaTile = 128;        // fp8_ds_mla values per scale
-constexpr int kDsMlaScaleOff = 512;    // byte offset of the 4 fp32 scales
-constexpr int kDsMlaRopeOff = 528;     // byte offset of the bf16 rope
-constexpr int kDsMlaEntry = 656;       // bytes per fp8_ds_mla token
-constexpr int kMxfp4Block = 32;        // values per UE8M0 scale
-
-constexpr float kFp8Max = 448.f;
-constexpr float kFp8AmaxFloor = 1e-4f;
-constexpr float kE2m1Max = 6.f;
-// 6 * 2^-126: keeps an MXFP4 scale exponent normal for an all-zero block.
-constexpr float kMxfp4AmaxFloor = 6.f * 1.17549435082228750797e-38f;
 
 // Exact ceil(log2(x)) of a positive normal float (the callers floor their
 // inputs, so no subnormal reaches here). log2f on the GPU is approximate and
 // would round some near-power-of-two ratios the wrong way.
 __device__ __forceinline__ int ceil_log2(float x) {
   const uint32_t bits = __float_as_uint(x);
-  const int e = static_cast<int>((bits >> 23) & 0xFF) - 127;
+  const int e = static_cast<int>((bits >> 23) & 0xFF) - kUe8m0Bias;
   return e + ((bits & 0x7FFFFF) != 0 ? 1 : 0);
 }
 
 // Exact 2^e for e in [-126, 127], from the exponent bits.
 __device__ __forceinline__ float exp2i(int e) {
   e = max(-126, min(127, e));
-  return __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
+  return __uint_as_float(static_cast<uint32_t>(e + kUe8m0Bias) << 23);
 }
 
 // Two fp8 e4m3fn codes (round to nearest even, saturating at +-448); a in the
@@ -159,14 +146,14 @@ __device__ __forceinline__ void index_key_insert(
   float s = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) s += v[i];
-  const float mean = group_sum<16>(s) * (1.f / kIndexDim);
+  const float mean = group_sum<16>(s) * (1.f / kKernelIndexHeadDim);
   float q = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     v[i] -= mean;
     q += v[i] * v[i];
   }
-  const float var = group_sum<16>(q) * (1.f / kIndexDim);
+  const float var = group_sum<16>(q) * (1.f / kKernelIndexHeadDim);
   const float rstd = 1.f / sqrtf(var + eps);
 #pragma unroll
   for (int i = 0; i < 8; ++i) v[i] = v[i] * rstd * w[i] + b[i];
@@ -183,16 +170,18 @@ __device__ __forceinline__ void index_key_insert(
 
   if constexpr (!kFp4) {
     amax = group_max<16>(amax);
-    const int e = ceil_log2(fmaxf(amax, kFp8AmaxFloor) / kFp8Max);
+    const int e = ceil_log2(fmaxf(amax, kFp8AmaxFloor) / kFp8E4m3Max);
     const uint2 codes = fp8x8(v, exp2i(-e));
     if (write) {
-      *reinterpret_cast<uint2*>(base + off * kIndexDim + 8 * l16) = codes;
+      *reinterpret_cast<uint2*>(base + off * kKernelIndexHeadDim + 8 * l16) =
+          codes;
       if (l16 == 0) {
+        // SM10x readers: the UE8M0 byte in each of the word's 4 bytes.
         const uint32_t word =
-            mx_scales ? static_cast<uint32_t>(e + 127) * 0x01010101u
+            mx_scales ? static_cast<uint32_t>(e + kUe8m0Bias) * 0x01010101u
                       : __float_as_uint(exp2i(e));
-        *reinterpret_cast<uint32_t*>(base + block_size * kIndexDim + off * 4) =
-            word;
+        *reinterpret_cast<uint32_t*>(base + block_size * kKernelIndexHeadDim +
+                                     off * kIndexerScaleBytes) = word;
       }
     }
   } else {
@@ -202,17 +191,19 @@ __device__ __forceinline__ void index_key_insert(
     const uint32_t codes = e2m1x8(v, exp2i(-e));
     // Gather the four group scales (lanes 0, 4, 8, 12 of the 16) into one
     // word for a single 4-byte store.
-    const uint32_t sbyte = static_cast<uint32_t>(e + 127) & 0xFFu;
+    const uint32_t sbyte = static_cast<uint32_t>(e + kUe8m0Bias) & 0xFFu;
     uint32_t word = 0;
+    constexpr int kScales = kKernelIndexHeadDim / kMxfp4BlockSize;
+    static_assert(kScales == 4, "the UE8M0 bytes go out in one 4-byte store");
 #pragma unroll
-    for (int g = 0; g < kIndexDim / kMxfp4Block; ++g)
+    for (int g = 0; g < kScales; ++g)
       word |= __shfl_sync(0xFFFFFFFFu, sbyte, 4 * g, 16) << (8 * g);
     if (write) {
-      constexpr int kVals = kIndexDim / 2;
+      constexpr int kVals = kKernelIndexHeadDim / 2;
       *reinterpret_cast<uint32_t*>(base + off * kVals + 4 * l16) = codes;
       if (l16 == 0)
-        *reinterpret_cast<uint32_t*>(base + block_size * kVals + off * 4) =
-            word;
+        *reinterpret_cast<uint32_t*>(base + block_size * kVals +
+                                     off * kScales) = word;
     }
   }
 }

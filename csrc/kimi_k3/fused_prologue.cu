@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "dsa_common.cuh"
+#include "dsa_formats.h"
 #include "dsa_ops.h"
 
 namespace kimi_k3 {
@@ -80,7 +81,7 @@ __device__ __forceinline__ uint4 load_raw16(const __nv_bfloat16* p) {
 
 __device__ __forceinline__ void q_norm(const PrologueArgs& a, int64_t t,
                                        int lane) {
-  constexpr int kChunks = kQDim / 8 / 32;  // 6 per lane
+  constexpr int kChunks = kKernelQLoraRank / 8 / 32;  // 6 per lane
   float v[kChunks][8];
   uint4 w[kChunks];
 #pragma unroll
@@ -94,11 +95,11 @@ __device__ __forceinline__ void q_norm(const PrologueArgs& a, int64_t t,
 #pragma unroll
     for (int j = 0; j < 8; ++j) ss += v[i][j] * v[i][j];
   }
-  const float r = 1.f / sqrtf(group_sum<32>(ss) / kQDim + a.eps);
+  const float r = 1.f / sqrtf(group_sum<32>(ss) / kKernelQLoraRank + a.eps);
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) {
     const int c = lane + 32 * i;
-    rms_chunk_out(v[i], w[i], r, a.q_out + t * kQDim + 8 * c);
+    rms_chunk_out(v[i], w[i], r, a.q_out + t * kKernelQLoraRank + 8 * c);
   }
 }
 
@@ -117,16 +118,16 @@ __device__ __forceinline__ void kv_norm_mla_insert(const PrologueArgs& a,
           ? -1
           : checked_slot(static_cast<const SlotT*>(a.mla_slots), a.n_mla_slots,
                          t, a.mla_cache_slots);
-  const bool pe_lane = lane < kRopeDim / 8;
+  const bool pe_lane = lane < kKernelRopeDim / 8;
   const uint4 pe = a.mla_cache != nullptr && pe_lane
                        ? load_raw16(a.k_pe + t * a.pe_stride + 8 * lane)
                        : make_uint4(0, 0, 0, 0);
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) ss += v0[j] * v0[j] + v1[j] * v1[j];
-  const float r = 1.f / sqrtf(group_sum<32>(ss) / kKvDim + a.eps);
-  rms_chunk_out(v0, w0, r, a.kv_out + t * kKvDim + 8 * c0);
-  rms_chunk_out(v1, w1, r, a.kv_out + t * kKvDim + 8 * c1);
+  const float r = 1.f / sqrtf(group_sum<32>(ss) / kKernelKvLoraRank + a.eps);
+  rms_chunk_out(v0, w0, r, a.kv_out + t * kKernelKvLoraRank + 8 * c0);
+  rms_chunk_out(v1, w1, r, a.kv_out + t * kKernelKvLoraRank + 8 * c1);
   if (slot < 0) return;  // uniform over the warp (also: no cache)
 
   // Tiles of 128 values = 16 chunks: lanes 0-15 own tiles 0 and 2, lanes
@@ -139,20 +140,21 @@ __device__ __forceinline__ void kv_norm_mla_insert(const PrologueArgs& a,
   }
   m0 = group_max<16>(m0);
   m1 = group_max<16>(m1);
-  const int e0 = ceil_log2(fmaxf(m0 * (1.f / kFp8Max), kFp8AmaxFloor));
-  const int e1 = ceil_log2(fmaxf(m1 * (1.f / kFp8Max), kFp8AmaxFloor));
+  const int e0 = ceil_log2(fmaxf(m0 * (1.f / kFp8E4m3Max), kFp8AmaxFloor));
+  const int e1 = ceil_log2(fmaxf(m1 * (1.f / kFp8E4m3Max), kFp8AmaxFloor));
   uint8_t* entry = a.mla_cache + (slot / a.mla_block_size) * a.mla_block_stride +
                    (slot % a.mla_block_size) * a.mla_entry_stride;
   *reinterpret_cast<uint2*>(entry + 8 * c0) = fp8x8(v0, exp2i(-e0));
   *reinterpret_cast<uint2*>(entry + 8 * c1) = fp8x8(v1, exp2i(-e1));
   const float s1 = __shfl_sync(0xFFFFFFFFu, exp2i(e0), 16);
   const float s3 = __shfl_sync(0xFFFFFFFFu, exp2i(e1), 16);
+  static_assert(kDsMlaNumTiles == 4, "the tile scales go out as one float4");
   if (lane == 0) {
-    *reinterpret_cast<float4*>(entry + kDsMlaScaleOff) =
+    *reinterpret_cast<float4*>(entry + kDsMlaScaleOffset) =
         make_float4(exp2i(e0), s1, exp2i(e1), s3);
   }
   if (pe_lane) {
-    *reinterpret_cast<uint4*>(entry + kDsMlaRopeOff + 16 * lane) = pe;
+    *reinterpret_cast<uint4*>(entry + kDsMlaRopeOffset + 16 * lane) = pe;
   }
 }
 
@@ -201,20 +203,23 @@ void dsa_fused_prologue(
     const std::optional<at::Tensor>& index_slot_mapping,
     at::Tensor& q_c_out, at::Tensor& kv_c_out, bool fp4,
     bool mx_scales) {
-  check_bf16_rows(q_c, kQDim, "q_c", q_c);
+  check_bf16_rows(q_c, kKernelQLoraRank, "q_c", q_c);
   const int64_t T = q_c.size(0);
-  check_bf16_rows(kv_c, kKvDim, "kv_c", q_c);
-  check_bf16_rows(k_pe, kRopeDim, "k_pe", q_c);
-  check_bf16_rows(index_k, kIndexDim, "index_k", q_c);
+  check_bf16_rows(kv_c, kKernelKvLoraRank, "kv_c", q_c);
+  check_bf16_rows(k_pe, kKernelRopeDim, "k_pe", q_c);
+  check_bf16_rows(index_k, kKernelIndexHeadDim, "index_k", q_c);
   TORCH_CHECK(kv_c.size(0) == T && k_pe.size(0) == T && index_k.size(0) == T,
               "q_c, kv_c, k_pe and index_k must have the same number of rows");
-  check_norm_param(q_norm_weight, at::kBFloat16, kQDim, "q_a_norm weight", q_c);
-  check_norm_param(kv_norm_weight, at::kBFloat16, kKvDim, "kv_a_norm weight",
+  check_norm_param(q_norm_weight, at::kBFloat16, kKernelQLoraRank,
+                   "q_a_norm weight", q_c);
+  check_norm_param(kv_norm_weight, at::kBFloat16, kKernelKvLoraRank,
+                   "kv_a_norm weight", q_c);
+  check_norm_param(k_norm_weight, at::kFloat, kKernelIndexHeadDim,
+                   "k_norm weight", q_c);
+  check_norm_param(k_norm_bias, at::kFloat, kKernelIndexHeadDim, "k_norm bias",
                    q_c);
-  check_norm_param(k_norm_weight, at::kFloat, kIndexDim, "k_norm weight", q_c);
-  check_norm_param(k_norm_bias, at::kFloat, kIndexDim, "k_norm bias", q_c);
-  check_bf16_rows(q_c_out, kQDim, "q_c_out", q_c);
-  check_bf16_rows(kv_c_out, kKvDim, "kv_c_out", q_c);
+  check_bf16_rows(q_c_out, kKernelQLoraRank, "q_c_out", q_c);
+  check_bf16_rows(kv_c_out, kKernelKvLoraRank, "kv_c_out", q_c);
   TORCH_CHECK(q_c_out.is_contiguous() && kv_c_out.is_contiguous() &&
                   q_c_out.size(0) == T && kv_c_out.size(0) == T,
               "q_c_out and kv_c_out must be contiguous [T, dim]");

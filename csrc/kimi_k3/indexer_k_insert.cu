@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "dsa_common.cuh"
+#include "dsa_formats.h"
 #include "dsa_ops.h"
 
 namespace kimi_k3 {
@@ -73,8 +74,10 @@ void indexer_k_insert(const at::Tensor& index_k,
                       at::Tensor& kv_cache, at::Tensor& topk,
                       int64_t num_tokens, bool fp4, bool mx_scales) {
   check_index_key(index_k, "index_k");
-  check_norm_param(weight, at::kFloat, kIndexDim, "k_norm weight", index_k);
-  check_norm_param(bias, at::kFloat, kIndexDim, "k_norm bias", index_k);
+  check_norm_param(weight, at::kFloat, kKernelIndexHeadDim, "k_norm weight",
+                   index_k);
+  check_norm_param(bias, at::kFloat, kKernelIndexHeadDim, "k_norm bias",
+                   index_k);
   check_slot_mapping(slot_mapping, index_k.size(0), "slot_mapping", index_k);
   check_indexer_cache(kv_cache, fp4, index_k);
   check_topk(topk, num_tokens, index_k);

@@ -20,10 +20,8 @@ from vllm.models.kimi_k3.common.dsa_cache import (
     is_kimi_k3_dsa_backend,
 )
 from vllm.models.kimi_k3.common.dsa_envs import MLA_KERNEL_PAGES_ENV
-from vllm.models.kimi_k3.common.dsa_pages import (
-    MLA_KERNEL_PAGE_TOKENS,
-    kernel_page_slots,
-)
+from vllm.models.kimi_k3.common.dsa_formats import MLA_KERNEL_PAGE_TOKENS
+from vllm.models.kimi_k3.common.dsa_pages import kernel_page_slots
 
 TP = 8
 NUM_BLOCKS = 4

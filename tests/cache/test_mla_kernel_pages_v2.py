@@ -30,7 +30,7 @@ from vllm.models.kimi_k3.common.dsa_cache import (
     KimiK3FlashMLASparseBackend,
     KimiK3IndexerBackend,
 )
-from vllm.models.kimi_k3.common.dsa_pages import MLA_KERNEL_PAGE_TOKENS
+from vllm.models.kimi_k3.common.dsa_formats import MLA_KERNEL_PAGE_TOKENS
 from vllm.models.kimi_k3.common.dsa_slot_mappings import (
     BLOCK_TABLES_ATTR,
     configure_block_tables,

@@ -79,13 +79,13 @@ def _config(
 def _packed_block_size(config: Any) -> int:
     """The block the engine sizes (``apply_packed_dsa_block_size``) with
     FlashMLA sparse's and the indexer's 64-token kernel pages on CUDA."""
-    from kimi_k3_dsa_tools.kv_plan import KERNEL_BLOCK_SIZES
     from vllm.models.kimi_k3.common.dsa_block_size import (
         kda_state_bytes_for,
         packed_dsa_alignment,
         packed_dsa_block_size,
         target_mla_bytes_per_token,
     )
+    from vllm.models.kimi_k3.common.dsa_formats import KERNEL_BLOCK_SIZES
 
     block = packed_dsa_block_size(
         config,

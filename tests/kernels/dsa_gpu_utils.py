@@ -7,7 +7,7 @@ blocks prefilled with a sentinel, and code-level comparisons."""
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
+from vllm.models.kimi_k3.common import dsa_formats
 from vllm.models.kimi_k3.nvidia.dsa_ops._extension import extension_available
 
 SENTINEL = 0xA5
@@ -49,8 +49,8 @@ class PackedCaches:
 
     def __init__(self, num_blocks: int, fp4: bool):
         self.fp4 = fp4
-        self.idx_entry = F.indexer_entry_bytes(D, fp4)
-        self.row = BLOCK * self.idx_entry + BLOCK * F.DS_MLA_ENTRY_BYTES + 512
+        self.idx_entry = dsa_formats.indexer_entry_bytes(D, fp4)
+        self.row = BLOCK * self.idx_entry + BLOCK * dsa_formats.DS_MLA_ENTRY_BYTES + 512
         self.buf = torch.full(
             (num_blocks, self.row), SENTINEL, dtype=torch.uint8, device="cuda"
         )
@@ -73,16 +73,22 @@ class PackedCaches:
         n = self.buf.shape[0]
         off = self.buf.storage_offset() + BLOCK * self.idx_entry
         return self.buf.as_strided(
-            (n, BLOCK, F.DS_MLA_ENTRY_BYTES), (self.row, F.DS_MLA_ENTRY_BYTES, 1), off
+            (n, BLOCK, dsa_formats.DS_MLA_ENTRY_BYTES),
+            (self.row, dsa_formats.DS_MLA_ENTRY_BYTES, 1),
+            off,
         )
 
     def value_mask(self) -> torch.Tensor:
         """True on bytes that hold quantized codes (compared with tolerance)."""
         mask = torch.zeros_like(self.buf, dtype=torch.bool)
-        vb = F.indexer_value_bytes(D, self.fp4)
+        vb = dsa_formats.indexer_value_bytes(D, self.fp4)
         mask[:, : BLOCK * vb] = True
-        mla = mask[:, BLOCK * self.idx_entry :][:, : BLOCK * F.DS_MLA_ENTRY_BYTES]
-        mla.view(-1, BLOCK, F.DS_MLA_ENTRY_BYTES)[:, :, : F.DS_MLA_NOPE_DIM] = True
+        mla = mask[:, BLOCK * self.idx_entry :][
+            :, : BLOCK * dsa_formats.DS_MLA_ENTRY_BYTES
+        ]
+        mla.view(-1, BLOCK, dsa_formats.DS_MLA_ENTRY_BYTES)[
+            :, :, : dsa_formats.DS_MLA_NOPE_DIM
+        ] = True
         return mask
 
 
@@ -127,12 +133,12 @@ def compare_caches(got: PackedCaches, ref: PackedCaches, n_values: int):
     code (the indexer codes: ``compare_index_values``)."""
     mask = got.value_mask()
     assert torch.equal(got.buf[~mask], ref.buf[~mask]), "non-code bytes differ"
-    nope = F.DS_MLA_NOPE_DIM
+    nope = dsa_formats.DS_MLA_NOPE_DIM
     assert_codes_close(got.mla[..., :nope], ref.mla[..., :nope], False, n_values)
 
 
 def compare_index_values(got: PackedCaches, ref: PackedCaches, n_tokens: int):
-    vb = F.indexer_value_bytes(D, got.fp4)
+    vb = dsa_formats.indexer_value_bytes(D, got.fp4)
     a = got.buf[:, : BLOCK * vb]
     b = ref.buf[:, : BLOCK * vb]
     assert_codes_close(a, b, got.fp4, n_tokens * D)

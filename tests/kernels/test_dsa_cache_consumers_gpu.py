@@ -26,6 +26,7 @@ from dsa_gpu_utils import (
     requires_kernels,
 )
 
+from vllm.models.kimi_k3.common import dsa_formats
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
 from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import dsa_fused_prologue
@@ -93,7 +94,7 @@ def test_deepgemm_paged_mqa_logits_reads_our_indexer_cache(fp4: bool, packed: bo
     n = slots.numel()
     _, _, kw, kb = norm_weights()
     _, _, _, index_k = gemm_slices(n, seed=11)
-    entry = F.indexer_entry_bytes(D, fp4)
+    entry = dsa_formats.indexer_entry_bytes(D, fp4)
     if packed:
         cache = PackedCaches(num_blocks, fp4).index
     else:
@@ -206,16 +207,16 @@ def test_flashmla_sparse_decode_reads_split_mla_pages():
 
     torch.ops.load_library(str(DEVICE_DIR / "_flashmla_C.abi3.so"))
     block, nb, n_tok, batch, h_q, topk_w = 256, 8, 700, 3, 64, 256
-    idx_entry = F.indexer_entry_bytes(D, False)
-    mla_page, idx_page = 64 * F.DS_MLA_ENTRY_BYTES, 64 * idx_entry
+    idx_entry = dsa_formats.indexer_entry_bytes(D, False)
+    mla_page, idx_page = 64 * dsa_formats.DS_MLA_ENTRY_BYTES, 64 * idx_entry
     step = math.lcm(mla_page, idx_page)
-    row = -(-block * (idx_entry + F.DS_MLA_ENTRY_BYTES) // step) * step
+    row = -(-block * (idx_entry + dsa_formats.DS_MLA_ENTRY_BYTES) // step) * step
 
     def row_views(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         index = buf.as_strided((nb, block, idx_entry), (row, idx_entry, 1))
         mla = buf.as_strided(
-            (nb, block, F.DS_MLA_ENTRY_BYTES),
-            (row, F.DS_MLA_ENTRY_BYTES, 1),
+            (nb, block, dsa_formats.DS_MLA_ENTRY_BYTES),
+            (row, dsa_formats.DS_MLA_ENTRY_BYTES, 1),
             buf.storage_offset() + block * idx_entry,
         )
         return index, mla
@@ -250,7 +251,7 @@ def test_flashmla_sparse_decode_reads_split_mla_pages():
     assert torch.equal(paged_buf, whole_buf)
     assert int((paged_buf != SENTINEL).sum()) > 0
     assert (
-        paged_buf[:, block * (idx_entry + F.DS_MLA_ENTRY_BYTES) :] == SENTINEL
+        paged_buf[:, block * (idx_entry + dsa_formats.DS_MLA_ENTRY_BYTES) :] == SENTINEL
     ).all()
 
     q = (torch.randn(batch, 1, h_q, 576, device="cuda", generator=g) * 0.5).bfloat16()

@@ -21,6 +21,7 @@ from dsa_gpu_utils import (
     requires_kernels,
 )
 
+from vllm.models.kimi_k3.common import dsa_formats
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
 from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import dsa_fused_prologue
@@ -60,7 +61,7 @@ def test_insert_matches_reference(t: int, fp4: bool, mx: bool):
     )
     torch.cuda.synchronize()
     mask = torch.zeros_like(got.buf, dtype=torch.bool)
-    mask[:, : BLOCK * F.indexer_value_bytes(D, fp4)] = True
+    mask[:, : BLOCK * dsa_formats.indexer_value_bytes(D, fp4)] = True
     assert torch.equal(got.buf[~mask], ref.buf[~mask]), "scale/sentinel bytes"
     compare_index_values(got, ref, int((slots >= 0).sum()))
     assert torch.equal(topk, topk_ref)
@@ -90,7 +91,7 @@ def test_prologue_matches_reference(t: int, fp4: bool, mx: bool):
     assert_bf16_within_ulp(q_out, q_ref)
     assert_bf16_within_ulp(kv_out, kv_ref)
     n_mla = int((mla_slots >= 0).sum())
-    compare_caches(got, ref, n_mla * F.DS_MLA_NOPE_DIM)
+    compare_caches(got, ref, n_mla * dsa_formats.DS_MLA_NOPE_DIM)
     compare_index_values(got, ref, int((idx_slots >= 0).sum()))
     # The MLA entry is exactly the format of the kernel's own normed kv_c.
     keep = mla_slots >= 0

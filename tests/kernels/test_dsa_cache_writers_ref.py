@@ -6,6 +6,7 @@ CUDA insert and prologue kernels): formats, layouts, skips and fills."""
 import pytest
 import torch
 
+from vllm.models.kimi_k3.common import dsa_formats
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
 from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import dsa_fused_prologue
@@ -99,7 +100,7 @@ def _cache(blocks: int, entry: int, pad: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("fp4", [False, True])
 def test_insert_layout_skips_and_topk_fill(fp4: bool):
-    entry = F.indexer_entry_bytes(D, fp4)
+    entry = dsa_formats.indexer_entry_bytes(D, fp4)
     cache = _cache(3, entry, pad=4096)
     x = torch.randn(4, D).bfloat16()
     w, b = torch.rand(D) + 0.5, torch.randn(D) * 0.1
@@ -112,7 +113,10 @@ def test_insert_layout_skips_and_topk_fill(fp4: bool):
     else:
         vals, scales = F.indexer_fp8_entry(k, mx_scales=False)
     raw = cache.as_strided((3, 64 * entry + 4096), (cache.stride(0), 1))
-    vb, sb = F.indexer_value_bytes(D, fp4), F.indexer_scale_bytes(D, fp4)
+    vb, sb = (
+        dsa_formats.indexer_value_bytes(D, fp4),
+        dsa_formats.indexer_scale_bytes(D, fp4),
+    )
     expect = torch.full_like(raw, SENTINEL)
     for t, s in enumerate(slots.tolist()):
         if s < 0:
@@ -175,7 +179,7 @@ def test_fp8_ds_mla_entry_layout():
     kv[0, 0], kv[0, 128], kv[0, 300], kv[0, 511] = 3.0, -448.0, 0.5, 336.0
     k_pe = torch.randn(1, 64).bfloat16()
     entry = F.fp8_ds_mla_entry(kv.bfloat16(), k_pe)
-    assert entry.shape == (1, F.DS_MLA_ENTRY_BYTES) == (1, 656)
+    assert entry.shape == (1, dsa_formats.DS_MLA_ENTRY_BYTES) == (1, 656)
     scales = entry[0, 512:528].view(torch.float32).tolist()
     # 336/448 = 0.75 -> 2^0 (a non power-of-two scale would be 0.75)
     assert scales == [2.0**-7, 1.0, 2.0**-9, 1.0]
@@ -200,7 +204,7 @@ def _prologue_inputs(t: int):
 def test_prologue_reference_writes_both_caches(fp4: bool):
     q_c, kv_c, k_pe, index_k, (qw, kvw, kw, kb) = _prologue_inputs(3)
     mla = torch.full((2, 64, 656), SENTINEL, dtype=torch.uint8)
-    idx = _cache(2, F.indexer_entry_bytes(D, fp4))
+    idx = _cache(2, dsa_formats.indexer_entry_bytes(D, fp4))
     topk = torch.full((4, 32), 7, dtype=torch.int32)
     mla_slots, idx_slots = torch.tensor([70, -1, 3]), torch.tensor([5, 64, -1])
     q_out, kv_out = reference.fused_prologue(
@@ -211,7 +215,7 @@ def test_prologue_reference_writes_both_caches(fp4: bool):
     entries = F.fp8_ds_mla_entry(kv_out, k_pe)
     assert torch.equal(mla[1, 6], entries[0]) and torch.equal(mla[0, 3], entries[2])
     assert (mla[0, :3] == SENTINEL).all() and (mla[1, 7:] == SENTINEL).all()
-    expect_idx = _cache(2, F.indexer_entry_bytes(D, fp4))
+    expect_idx = _cache(2, dsa_formats.indexer_entry_bytes(D, fp4))
     reference.indexer_k_insert(
         index_k, kw, kb, 1e-5, idx_slots, expect_idx, topk.clone(), 0, fp4=fp4
     )

@@ -15,11 +15,11 @@ import pytest
 import torch
 from dsa_gpu_utils import requires_cuda
 
+from vllm.models.kimi_k3.common.dsa_formats import indexer_entry_bytes
 from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 from vllm.models.kimi_k3.nvidia.dsa_ops.formats import (
     e2m1_decode,
     indexer_block_views,
-    indexer_entry_bytes,
     indexer_fp8_entry,
     mxfp4_dequantize_rows,
     mxfp4_quantize_rows,

@@ -80,9 +80,12 @@ MODULE_GROUPS: tuple[Group, ...] = (
         "The kernels' python side, beside upstream's own nvidia/ops/: each entry\n"
         "point calls torch.ops._kimi_k3_C when the extension is built and has a\n"
         "pure-torch reference that defines its exact semantics, byte for byte\n"
-        "(the fp8_ds_mla and indexer cache formats). Imports torch and the\n"
-        "extension only, so the kernels' tests run without the rest of vLLM.",
-        (f"{_K3}/nvidia/dsa_ops/**",),
+        "(the fp8_ds_mla and indexer cache formats). The numbers those formats\n"
+        "and the kernels fix live in one standard-library module,\n"
+        "common/dsa_formats.py, which the config rules and the cache arithmetic\n"
+        "import too. Imports torch, that module and the extension only, so the\n"
+        "kernels' tests run without the rest of vLLM.",
+        (f"{_K3}/nvidia/dsa_ops/**", f"{_K3}/common/dsa_formats.py"),
     ),
     Group(
         "config",

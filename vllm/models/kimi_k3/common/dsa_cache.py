@@ -26,11 +26,10 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
-from vllm.models.kimi_k3.common import dsa_settings
+from vllm.models.kimi_k3.common import dsa_formats, dsa_settings
 from vllm.models.kimi_k3.common.dsa_envs import mla_kernel_pages_forced
-from vllm.models.kimi_k3.common.dsa_pages import MLA_KERNEL_PAGE_TOKENS
+from vllm.models.kimi_k3.common.dsa_formats import MLA_KERNEL_PAGE_TOKENS
 from vllm.models.kimi_k3.common.dsa_verify import check_dsa_pcp
-from vllm.models.kimi_k3.nvidia.dsa_ops import formats
 from vllm.utils.math_utils import round_up
 from vllm.v1.attention.backends.mla.compressor_utils import (
     get_compressed_slot_mapping,
@@ -57,13 +56,13 @@ logger = init_logger(__name__)
 
 def indexer_cache_entry_bytes(head_dim: int, use_fp4_cache: bool) -> int:
     """Indexer key cache bytes per token: 132 (fp8) or 68 (MXFP4) at head dim
-    128, as the kernels write them (``dsa_ops.formats``)."""
-    return formats.indexer_entry_bytes(head_dim, use_fp4_cache)
+    128, as the kernels write them (``dsa_formats``)."""
+    return dsa_formats.indexer_entry_bytes(head_dim, use_fp4_cache)
 
 
 def fp8_ds_mla_bytes_per_token(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
     """Bytes of one token in the ``fp8_ds_mla`` format (656 for 512 + 64)."""
-    return formats.ds_mla_entry_bytes(kv_lora_rank, qk_rope_head_dim)
+    return dsa_formats.ds_mla_entry_bytes(kv_lora_rank, qk_rope_head_dim)
 
 
 class KimiK3IndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):

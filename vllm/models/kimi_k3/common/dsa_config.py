@@ -24,10 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.logger import init_logger
-from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import (
+from vllm.models.kimi_k3.common.dsa_formats import (
     DEEPGEMM_INDEX_HEAD_DIMS_FP4,
     DEEPGEMM_INDEX_HEAD_DIMS_FP8,
     DEEPGEMM_INDEX_HEADS,
+    DS_MLA_NOPE_DIM,
+    DS_MLA_ROPE_DIM,
+    INDEX_TOPK_MULTIPLE,
     k_insert_unsupported,
 )
 from vllm.transformers_utils.configs.kimi_k3 import KimiK3Config
@@ -39,13 +42,6 @@ INDEX_K_NORM_TYPES = ("rmsnorm", "layernorm")
 # DeepGEMM's indexer MQA-logits kernels pad the heads to 32 or 64 and take no
 # more.
 MAX_INDEX_NUM_HEADS = max(DEEPGEMM_INDEX_HEADS)
-# vLLM 0.33.0's FlashMLA sparse backend turns each top-k row into cache slots
-# with triton_convert_req_index_to_global_index, 128 columns per tile.
-INDEX_TOPK_MULTIPLE = 128
-# The latent FlashMLA sparse reads from an fp8_ds_mla entry: 512 quantized
-# values and 64 bf16 rope values.
-SPARSE_MLA_KV_LORA_RANK = 512
-SPARSE_MLA_ROPE_DIM = 64
 # Keys of other DSA configs' shapes: DeepSeek V3.2's flat index_* keys, the
 # indexer_* keys of newer indexers, a dsa_config (or dsa_*) block. Kimi K3.1
 # reads its DSA settings from text_config.dsa_config only.
@@ -329,15 +325,15 @@ def check_dsa_serving(text_config: KimiLinearConfig) -> None:
                 f"{value!r}"
             )
     for name, needed in (
-        ("kv_lora_rank", SPARSE_MLA_KV_LORA_RANK),
-        ("qk_rope_head_dim", SPARSE_MLA_ROPE_DIM),
+        ("kv_lora_rank", DS_MLA_NOPE_DIM),
+        ("qk_rope_head_dim", DS_MLA_ROPE_DIM),
     ):
         value = getattr(text_config, name, None)
         if type(value) is not int or value != needed:
             raise ValueError(
                 f"{name} must be {needed} for Kimi-K3.1 DSA, got {value!r}: "
                 "FlashMLA sparse reads the fp8_ds_mla cache as "
-                f"{SPARSE_MLA_KV_LORA_RANK} latent + {SPARSE_MLA_ROPE_DIM} rope "
+                f"{DS_MLA_NOPE_DIM} latent + {DS_MLA_ROPE_DIM} rope "
                 "values per token"
             )
     if getattr(text_config, "mla_use_nope", None) is not True:

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import torch
 
-# FlashMLA sparse's and DeepGEMM's kernel page (SM90 and SM10x alike).
-MLA_KERNEL_PAGE_TOKENS = 64
-
 
 def split_packed_rows_into_kernel_pages(
     kv_cache: torch.Tensor, kernel_rows: int

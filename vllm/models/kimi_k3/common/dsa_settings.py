@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm.models.kimi_k3.common.dsa_config import DSAConfig, check_mxfp4_indexer
-from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import DEEPGEMM_INDEX_HEADS
+from vllm.models.kimi_k3.common.dsa_formats import DEEPGEMM_INDEX_HEADS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -35,16 +35,18 @@ from vllm.models.kimi_k3.common.dsa_envs import (
     force_wrapper_forward,
     mla_kernel_pages_in_use,
 )
-from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import KERNEL_INDEX_HEAD_DIM
+from vllm.models.kimi_k3.common.dsa_formats import (
+    DCP_INDEX_TOPK_VALUES,
+    KERNEL_INDEX_HEAD_DIM,
+    SPARSE_MLA_MAX_HEADS_PER_RANK,
+    TOPK_INDEX_BYTES,
+)
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
 
 logger = init_logger(__name__)
 
-# vLLM 0.33.0's DCP top-k merge (_merge_dcp_topk_global: CuteDSL stable
-# top-k selector) takes only these.
-DCP_INDEX_TOPK_VALUES = (512, 1024, 2048)
 # Cache dtypes a user may ask for, and what each becomes for a DSA model: the
 # FlashMLA sparse kernels read only the fp8_ds_mla format.
 DSA_CACHE_DTYPES: dict[str, str] = {
@@ -55,14 +57,10 @@ DSA_CACHE_DTYPES: dict[str, str] = {
 }
 # Indexer key dtypes (--attention-config '{"indexer_kv_dtype": ...}').
 DSA_INDEXER_KV_DTYPES = ("auto", "fp8", "mxfp4")
-# FlashMLA sparse's fp8 decode kernel runs 64 or 128 query heads; vLLM 0.33.0
-# pads a rank's heads up to one of them (FlashMLASparseImpl).
-SPARSE_MLA_MAX_HEADS_PER_RANK = 128
 # The model-level top-k buffer is one activation of the forward; above this
 # share of the memory vLLM may use on a GPU it crowds out the weights and the
 # KV cache (Kimi K3.1's 2048 x 65536 tokens is 512 MiB).
 TOPK_BUFFER_MAX_BUDGET_SHARE = 10
-TOPK_INDEX_BYTES = 4  # int32
 GIB = 2**30
 ROCM_REASON = (
     "Kimi-K3.1 DSA requires the CUDA FlashMLA sparse / DeepGEMM indexer "

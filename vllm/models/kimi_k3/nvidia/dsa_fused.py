@@ -24,6 +24,7 @@ from vllm.models.kimi_k3.common.dsa_envs import (
     FORCE_WRAPPER_ENV,
     force_wrapper_forward,
 )
+from vllm.models.kimi_k3.common.dsa_formats import fused_prologue_unsupported
 from vllm.models.kimi_k3.nvidia.dsa_indexer import KimiK3DSAIndexerKNorm
 from vllm.models.kimi_k3.nvidia.dsa_low_latency import (
     low_latency_linear,
@@ -31,7 +32,6 @@ from vllm.models.kimi_k3.nvidia.dsa_low_latency import (
 )
 from vllm.models.kimi_k3.nvidia.dsa_ops import _extension as dsa_extension
 from vllm.models.kimi_k3.nvidia.dsa_ops import fused_prologue
-from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import fused_prologue_unsupported
 from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.attention.backends.mla import indexer as v32_indexer
 

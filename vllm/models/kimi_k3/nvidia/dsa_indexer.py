@@ -44,13 +44,13 @@ from vllm.models.kimi_k3.common.dsa_envs import (
     FORCE_WRAPPER_ENV,
     force_wrapper_forward,
 )
+from vllm.models.kimi_k3.common.dsa_formats import k_insert_unsupported
 from vllm.models.kimi_k3.nvidia.dsa_ops import _extension as dsa_extension
 from vllm.models.kimi_k3.nvidia.dsa_ops import (
     index_rope,
     indexer_k_insert,
     indexer_q_quant,
 )
-from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import k_insert_unsupported
 from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.attention.backends.mla import indexer as v32_indexer
 

@@ -3,9 +3,10 @@
 One module per kernel holds its entry point (``fused_prologue``,
 ``indexer_k_insert``, ``indexer_q_quant``, ``index_rope``); ``reference``
 holds the references, which define the kernels' exact semantics, byte for
-byte. This layer imports torch (and triton) and the ``vllm._kimi_k3_C``
-extension only, never upstream vLLM, so the GPU tests run on a machine where
-vLLM is not installed.
+byte. This layer imports torch (and triton), the ``vllm._kimi_k3_C``
+extension and the standard-library module of the kernels' numbers
+(``common/dsa_formats.py``) only, never upstream vLLM, so the GPU tests run on
+a machine where vLLM is not installed.
 
 It is ``nvidia/dsa_ops`` rather than ``nvidia/ops`` because vLLM
 0.33.0 already owns ``vllm/models/kimi_k3/nvidia/ops/`` (``attn_res``): an

@@ -4,7 +4,10 @@
 
 These helpers are the contract that our CUDA kernels and every reference in
 this package share; keeping one copy means a kernel and its reference cannot
-drift apart on an encoding. All of them run on CPU and CUDA tensors.
+drift apart on an encoding. All of them run on CPU and CUDA tensors. Their
+numbers (dims, offsets, scale floors, bytes per token) live in
+:mod:`vllm.models.kimi_k3.common.dsa_formats`, which the kernels mirror in
+``csrc/kimi_k3/dsa_formats.h``.
 
 Scales are powers of two chosen by rounding *up* (UE8M0 style): the quantized
 magnitude then never exceeds the format's maximum, and the scale survives as
@@ -26,27 +29,17 @@ Formats (see docs/kernels.md for the full byte layouts):
 
 import torch
 
-FP8_E4M3_MAX = 448.0
-# Floor of the per-token absmax before the fp8 scale is derived (all-zero rows
-# get a finite scale and zero codes instead of NaN).
-FP8_AMAX_FLOOR = 1e-4
-E2M1_MAX = 6.0
-MXFP4_BLOCK_SIZE = 32
-# Floor of an MXFP4 block absmax: 6 * 2^-126 keeps the scale exponent normal.
-MXFP4_AMAX_FLOOR = 6.0 * 2.0**-126
-UE8M0_BIAS = 127
-INDEXER_SCALE_BYTES = 4
-
-DS_MLA_NOPE_DIM = 512
-DS_MLA_TILE = 128
-DS_MLA_NUM_TILES = DS_MLA_NOPE_DIM // DS_MLA_TILE
-DS_MLA_ROPE_DIM = 64
-# One fp32 scale per tile; rope values stay bf16.
-DS_MLA_SCALE_BYTES = 4
-DS_MLA_ROPE_DTYPE_BYTES = 2
-DS_MLA_SCALE_OFFSET = DS_MLA_NOPE_DIM
-DS_MLA_ROPE_OFFSET = DS_MLA_NOPE_DIM + DS_MLA_SCALE_BYTES * DS_MLA_NUM_TILES
-DS_MLA_ENTRY_BYTES = DS_MLA_ROPE_OFFSET + DS_MLA_ROPE_DTYPE_BYTES * DS_MLA_ROPE_DIM
+from vllm.models.kimi_k3.common.dsa_formats import (
+    DS_MLA_TILE,
+    E2M1_MAX,
+    FP8_AMAX_FLOOR,
+    FP8_E4M3_MAX,
+    MXFP4_AMAX_FLOOR,
+    MXFP4_BLOCK_SIZE,
+    UE8M0_BIAS,
+    indexer_scale_bytes,
+    indexer_value_bytes,
+)
 
 # e2m1 magnitudes by code (bit 3 is the sign).
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -60,40 +53,6 @@ def use_mx_scales(device: torch.device | str | int | None = None) -> bool:
     if isinstance(device, torch.device) and device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] == 10
-
-
-def indexer_value_bytes(head_dim: int, fp4: bool) -> int:
-    """Value bytes of one indexer key (fp8: one byte a value; MXFP4: two
-    values a byte)."""
-    return head_dim // 2 if fp4 else head_dim
-
-
-def indexer_scale_bytes(head_dim: int, fp4: bool) -> int:
-    """Scale bytes of one indexer key (fp8: one 4-byte word; MXFP4: one UE8M0
-    byte per 32 values)."""
-    return head_dim // MXFP4_BLOCK_SIZE if fp4 else INDEXER_SCALE_BYTES
-
-
-def indexer_entry_bytes(head_dim: int, fp4: bool) -> int:
-    """Bytes per token of the indexer cache: 132 (fp8) or 68 (MXFP4) at 128."""
-    if fp4 and head_dim % MXFP4_BLOCK_SIZE:
-        raise ValueError(
-            f"MXFP4 indexer keys need a head dim that is a multiple of "
-            f"{MXFP4_BLOCK_SIZE}, got {head_dim}"
-        )
-    return indexer_value_bytes(head_dim, fp4) + indexer_scale_bytes(head_dim, fp4)
-
-
-def ds_mla_entry_bytes(kv_lora_rank: int, rope_dim: int) -> int:
-    """Bytes per token of an ``fp8_ds_mla`` entry for other latent and rope
-    sizes (656 at 512 + 64): fp8 codes, one fp32 scale per started tile,
-    bf16 rope values."""
-    num_tiles = -(-kv_lora_rank // DS_MLA_TILE)
-    return (
-        kv_lora_rank
-        + num_tiles * DS_MLA_SCALE_BYTES
-        + rope_dim * DS_MLA_ROPE_DTYPE_BYTES
-    )
 
 
 def ceil_log2(x: torch.Tensor) -> torch.Tensor:

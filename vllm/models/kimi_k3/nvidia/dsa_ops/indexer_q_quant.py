@@ -39,15 +39,15 @@ is the contract the Triton kernels are tested against.
 
 import torch
 
-from vllm.models.kimi_k3.nvidia.dsa_ops import reference
-from vllm.models.kimi_k3.nvidia.dsa_ops.formats import (
+from vllm.models.kimi_k3.common.dsa_formats import (
+    DEEPGEMM_INDEX_HEADS,
     E2M1_MAX,
     FP8_AMAX_FLOOR,
     FP8_E4M3_MAX,
     MXFP4_AMAX_FLOOR,
     MXFP4_BLOCK_SIZE,
 )
-from vllm.models.kimi_k3.nvidia.dsa_ops.shapes import DEEPGEMM_INDEX_HEADS
+from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 
 try:
     import triton
@@ -95,7 +95,9 @@ def _check_inputs(
     if num_heads > padded_heads:
         raise ValueError(f"{op}: {num_heads} heads do not fit in {padded_heads}")
     if head_dim == 0 or head_dim % MXFP4_BLOCK_SIZE != 0:
-        raise ValueError(f"{op}: head dim must be a multiple of 32, got {head_dim}")
+        raise ValueError(
+            f"{op}: head dim must be a multiple of {MXFP4_BLOCK_SIZE}, got {head_dim}"
+        )
     if fp4 and head_dim != MXFP4_HEAD_DIM:
         raise ValueError(
             f"{op}: with fp4=True the head dim must be {MXFP4_HEAD_DIM}, got {head_dim}"
