@@ -131,9 +131,9 @@ def test_plan_matches_the_engine_block_size(capsys, vllm_config_for, tmp_path):
     sizing (packed_dsa_block_size on the real VllmConfig) gives."""
     from vllm.models.kimi_k3.common.dsa_block_size import (
         kda_state_bytes_for,
-        packed_dsa_block_size,
         target_mla_bytes_per_token,
     )
+    from vllm.models.kimi_k3.common.dsa_cache import packed_dsa_block_size
     from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import write_tiny_config
 
     cfg = vllm_config_for()

@@ -404,8 +404,8 @@ def test_fused_insert_needs_the_extension(dsa_layer_env, monkeypatch):
     monkeypatch.setattr(DI, "_extension_loaded", lambda: False)
     indexer = build_indexer(dsa_layer_env)
     assert not indexer.use_fused_k_insert
-    import vllm.models.kimi_k3.common.dsa_settings as dsa_settings
+    import vllm.models.kimi_k3.common.dsa_cache as dsa_cache
 
-    monkeypatch.setattr(dsa_settings, "indexer_uses_fp4", lambda cfg: True)
+    monkeypatch.setattr(dsa_cache, "kimi_k3_indexer_uses_fp4", lambda cfg: True)
     with pytest.raises(NotImplementedError, match="vllm._kimi_k3_C extension built"):
         build_indexer(dsa_layer_env)

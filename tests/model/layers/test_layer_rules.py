@@ -98,17 +98,17 @@ def test_indexer_more_than_64_heads_refused(dsa_layer_env):
 
 
 def test_mxfp4_without_fused_insert_refused(dsa_layer_env, monkeypatch):
-    import vllm.models.kimi_k3.common.dsa_settings as dsa_settings
+    import vllm.models.kimi_k3.common.dsa_cache as dsa_cache
 
-    monkeypatch.setattr(dsa_settings, "indexer_uses_fp4", lambda cfg: True)
+    monkeypatch.setattr(dsa_cache, "kimi_k3_indexer_uses_fp4", lambda cfg: True)
     with pytest.raises(NotImplementedError, match="MXFP4 indexer keys need the fused"):
         build_indexer(dsa_layer_env, index_k_norm_type="rmsnorm")
 
 
 def test_mxfp4_with_fused_insert_cache_bytes(dsa_layer_env, monkeypatch):
-    import vllm.models.kimi_k3.common.dsa_settings as dsa_settings
+    import vllm.models.kimi_k3.common.dsa_cache as dsa_cache
 
-    monkeypatch.setattr(dsa_settings, "indexer_uses_fp4", lambda cfg: True)
+    monkeypatch.setattr(dsa_cache, "kimi_k3_indexer_uses_fp4", lambda cfg: True)
     indexer = build_indexer(dsa_layer_env)
     assert indexer.use_fp4_cache and indexer.use_fused_k_insert
     assert indexer.k_cache.head_dim == 68
