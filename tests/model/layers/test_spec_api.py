@@ -203,6 +203,32 @@ def test_prologue_slot_check_needs_both_slot_mappings():
         dsa_fused_prologue(*tensors, cache, None, cache, None, check_slots=True)
 
 
+def test_reference_prologue_needs_both_slot_mappings():
+    from vllm.models.kimi_k3.nvidia.dsa_ops import reference
+
+    q_c, kv_c, k_pe, index_k = (torch.randn(2, n) for n in (1536, 512, 64, 128))
+    weights = [torch.ones(n) for n in (1536, 512, 128)] + [torch.zeros(128)]
+    mla = torch.zeros(1, 64, 656, dtype=torch.uint8)
+    index = torch.zeros(1, 64, 132, dtype=torch.uint8)
+    topk = torch.zeros(2, 128, dtype=torch.int32)
+    with pytest.raises(ValueError, match="index_slot_mapping are required"):
+        reference.fused_prologue(
+            q_c, kv_c, k_pe, index_k, *weights, 1e-5, topk, mla, None, index, None
+        )
+
+
+def test_indexer_cache_views_refuse_a_cache_of_another_format():
+    from vllm.models.kimi_k3.nvidia.dsa_ops.formats import indexer_block_views
+
+    fp8_cache = torch.zeros(2, 64, 132, dtype=torch.uint8)
+    values, scales = indexer_block_views(fp8_cache, 128, fp4=False)
+    assert (values.shape, scales.shape) == ((2, 64, 128), (2, 64, 4))
+    with pytest.raises(ValueError, match="MXFP4 keys take 64 \\+ 4"):
+        indexer_block_views(fp8_cache, 128, fp4=True)
+    with pytest.raises(ValueError, match="must be uint8"):
+        indexer_block_views(fp8_cache.view(torch.int8), 128, fp4=False)
+
+
 # --------------------------------------------------------------------------
 # The layers call the ops by those names, one per key format
 # --------------------------------------------------------------------------
