@@ -78,12 +78,10 @@ def _draft_bytes_per_token(
 ) -> int:
     """What the engine's ``dense_mla_draft_bytes_per_token`` counts: the
     draft's layers x one MLA page per token in the target's cache dtype."""
-    from vllm.models.kimi_k3.common import dsa_block_size
+    from vllm.models.kimi_k3.common import dsa_cache
 
     layers, kv_lora_rank, rope = draft_mla_dims(draft_text, name, method)
-    return layers * dsa_block_size.mla_page_bytes_per_token(
-        cache_dtype, kv_lora_rank, rope
-    )
+    return layers * dsa_cache.mla_page_bytes_per_token(cache_dtype, kv_lora_rank, rope)
 
 
 def make_plan(
@@ -120,11 +118,11 @@ def make_plan(
     if num_speculative_tokens < 0:
         raise PlanError("--num-speculative-tokens must be >= 0")
     if draft_method is not None:
-        if draft_method not in dsa_block_size.DENSE_MLA_DRAFT_METHODS:
+        if draft_method not in dsa_cache.DENSE_MLA_DRAFT_METHODS:
             raise PlanError(
                 f"unknown draft method {draft_method!r}: the dense MLA drafts "
                 "whose pages share the DSA row are "
-                f"{', '.join(dsa_block_size.DENSE_MLA_DRAFT_METHODS)}"
+                f"{', '.join(dsa_cache.DENSE_MLA_DRAFT_METHODS)}"
             )
         if draft_text is None:
             raise PlanError(
@@ -134,14 +132,14 @@ def make_plan(
     elif draft_text is not None:
         raise PlanError(
             "--draft-config needs --draft-method "
-            f"({' or '.join(dsa_block_size.DENSE_MLA_DRAFT_METHODS)}): only a dense "
+            f"({' or '.join(dsa_cache.DENSE_MLA_DRAFT_METHODS)}): only a dense "
             "MLA draft's pages share the DSA row"
         )
 
     # The flags against the model.
     dsa = text_config.dsa_config
     linear = text_config.linear_attn_config
-    num_dsa, num_kda = dsa_block_size.dsa_layer_counts(text_config)
+    num_dsa, num_kda = dsa_cache.dsa_layer_counts(text_config)
     kda_heads = linear["num_heads"]
     if kda_heads % tp:
         raise PlanError(
@@ -174,7 +172,7 @@ def make_plan(
 
     # What the engine sizes the packed cache with (target_mla_bytes_per_token,
     # dense_mla_draft_bytes_per_token, packed_dsa_block_size), on numbers.
-    mla = dsa_block_size.mla_page_bytes_per_token(
+    mla = dsa_cache.mla_page_bytes_per_token(
         cache_dtype, text_config.kv_lora_rank, text_config.qk_rope_head_dim or 0
     )
     index = dsa_cache.indexer_cache_entry_bytes(dsa.index_head_dim, use_fp4)
@@ -184,7 +182,7 @@ def make_plan(
         draft = _draft_bytes_per_token(
             draft_text, draft_config_name, draft_method, cache_dtype
         )
-    row = dsa_block_size.packed_row_bytes_per_token(num_dsa, mla, index, draft)
+    row = dsa_cache.packed_row_bytes_per_token(num_dsa, mla, index, draft)
     state = dsa_block_size.kda_state_bytes(
         kda_heads,
         linear["head_dim"],
@@ -192,9 +190,9 @@ def make_plan(
         tp,
         num_speculative_tokens,
     )
-    spr = dsa_block_size.states_per_row(num_dsa, num_kda)
+    spr = dsa_cache.states_per_row(num_dsa, num_kda)
     alignment = dsa_block_size.packed_dsa_alignment(list(KERNEL_BLOCK_SIZES))
-    block = dsa_block_size.packed_block_size_from_bytes(row, spr, state, alignment, tp)
+    block = dsa_cache.packed_block_size_from_bytes(row, spr, state, alignment, tp)
     # FlashMLA sparse and the indexer read 64-token pages; the planner keeps
     # the block stride a whole number of both.
     block_bytes = dsa_block_size.packed_block_bytes(
@@ -237,7 +235,7 @@ def make_plan(
         states_per_row=spr,
         num_state_groups=num_state_groups,
         alignment=alignment,
-        reference_tp=dsa_block_size._PD_REFERENCE_TP,
+        reference_tp=dsa_cache._PD_REFERENCE_TP,
         block_size=block,
         row_bytes=block * row,
         block_bytes=block_bytes,

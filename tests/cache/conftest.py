@@ -46,10 +46,8 @@ def packed_kimi_k3_1(vllm_config_for) -> Callable[[int], tuple[int, int, Any]]:
     blocks and change: (block size, budget, ``KVCacheConfig``)."""
     from k3_1_specs import kimi_k3_1_specs
 
-    from vllm.models.kimi_k3.common.dsa_block_size import (
-        kda_state_bytes,
-        packed_block_size_from_bytes,
-    )
+    from vllm.models.kimi_k3.common.dsa_block_size import kda_state_bytes
+    from vllm.models.kimi_k3.common.dsa_cache import packed_block_size_from_bytes
     from vllm.v1.core.kv_cache_planning import (
         _get_packed_kv_cache_groups,
         get_kv_cache_config_from_groups,

@@ -9,13 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.models.kimi_k3.common.dsa_block_size import (
-    dense_mla_draft_bytes_per_token,
-    mla_page_bytes_per_token,
-)
 from vllm.models.kimi_k3.common.dsa_cache import (
+    dense_mla_draft_bytes_per_token,
     fp8_ds_mla_bytes_per_token,
     indexer_cache_entry_bytes,
+    mla_page_bytes_per_token,
 )
 from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
 

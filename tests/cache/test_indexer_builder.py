@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.models.kimi_k3.common import dsa_cache, dsa_settings
+from vllm.models.kimi_k3.common import dsa_cache
 from vllm.models.kimi_k3.common.dsa_cache import (
     KimiK3IndexerBackend,
     KimiK3IndexerCache,
@@ -254,7 +254,7 @@ def test_builder_validates_the_key_format(indexer_group, monkeypatch):
     def refuse(cfg):
         raise ValueError("indexer_kv_dtype='mxfp4' needs the fused key insert")
 
-    monkeypatch.setattr(dsa_settings, "indexer_uses_fp4", refuse)
+    monkeypatch.setattr(dsa_cache, "kimi_k3_indexer_uses_fp4", refuse)
     with pytest.raises(ValueError, match="fused key insert"):
         KimiK3IndexerMetadataBuilder(
             spec, group.layer_names, indexer_group.cfg, torch.device("cpu"),

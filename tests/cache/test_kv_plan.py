@@ -132,9 +132,9 @@ def test_plan_matches_the_engine_block_size(capsys, vllm_config_for, tmp_path):
     from kimi_k3_dsa_tools.tiny_checkpoint import write_tiny_config
     from vllm.models.kimi_k3.common.dsa_block_size import (
         kda_state_bytes_for,
-        packed_dsa_block_size,
         target_mla_bytes_per_token,
     )
+    from vllm.models.kimi_k3.common.dsa_cache import packed_dsa_block_size
 
     cfg = vllm_config_for()
     engine_block = packed_dsa_block_size(

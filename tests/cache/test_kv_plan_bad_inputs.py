@@ -191,11 +191,6 @@ BAD_CONFIGS: list[tuple[str, Any, list[str]]] = [
         ["dsa_config.index_topk", "max_position_embeddings"],
     ),
     (
-        "dsa-config-unknown-field",
-        edited(set_field("dsa_config.index_share", True)),
-        ["dsa_config", "unknown field", "index_share"],
-    ),
-    (
         "dsa-config-array",
         edited(set_field("dsa_config", [2048])),
         ["dsa_config must be a JSON object"],
@@ -448,6 +443,18 @@ def run_json(capsys, *args: str) -> dict[str, Any]:
     capsys.readouterr()
     assert main([*args, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
+
+
+def test_unknown_dsa_config_field_plans_as_serve_serves(capsys, tmp_path):
+    """An unknown dsa_config field is ignored with a warning when serving, so
+    the plan ignores it too and plans the same."""
+    expected = run_json(capsys, "--kv-budget", "60GiB")
+    path = write(
+        tmp_path / "extra" / "config.json",
+        edited(set_field("dsa_config.index_share", True)),
+    )
+    plan = run_json(capsys, "--config", str(path), "--kv-budget", "60GiB")
+    assert {**plan, "config": None} == {**expected, "config": None}
 
 
 def test_good_inputs_in_every_form_plan_the_same(capsys, tmp_path):

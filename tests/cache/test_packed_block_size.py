@@ -14,11 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from k3_1_specs import FULL_ATTN, kimi_k3_1_specs
 
-from vllm.models.kimi_k3.common import dsa_block_size, dsa_settings
+from vllm.models.kimi_k3.common import dsa_block_size, dsa_cache
 from vllm.models.kimi_k3.common.dsa_block_size import (
-    _PD_REFERENCE_TP,
     kda_state_bytes,
     packed_block_bytes,
+)
+from vllm.models.kimi_k3.common.dsa_cache import (
+    _PD_REFERENCE_TP,
     packed_block_size_from_bytes,
     packed_dsa_block_size,
     packed_row_bytes_per_token,
@@ -222,7 +224,7 @@ def test_mxfp4_refused_without_fused_key_insert(monkeypatch):
         index_topk=64, index_head_dim=128, index_num_heads=4
     )  # rmsnorm k-norm
     with pytest.raises(ValueError, match="fused Kimi K3 DSA key insert"):
-        dsa_settings.indexer_uses_fp4(cfg)
+        dsa_cache.kimi_k3_indexer_uses_fp4(cfg)
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)

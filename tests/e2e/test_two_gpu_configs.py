@@ -82,9 +82,9 @@ def _packed_block_size(config: Any) -> int:
     from vllm.models.kimi_k3.common.dsa_block_size import (
         kda_state_bytes_for,
         packed_dsa_alignment,
-        packed_dsa_block_size,
         target_mla_bytes_per_token,
     )
+    from vllm.models.kimi_k3.common.dsa_cache import packed_dsa_block_size
     from vllm.models.kimi_k3.common.dsa_formats import KERNEL_BLOCK_SIZES
 
     block = packed_dsa_block_size(

@@ -319,19 +319,21 @@ def test_plan_equals_the_engine_sizing(
     tp: int,
 ) -> None:
     from vllm.models.kimi_k3.common.dsa_block_size import (
-        dense_mla_draft_bytes_per_token,
         kda_state_bytes_for,
-        packed_dsa_block_size,
-        packed_row_bytes_per_token,
         target_mla_bytes_per_token,
     )
-    from vllm.models.kimi_k3.common.dsa_cache import indexer_cache_entry_bytes
-    from vllm.models.kimi_k3.common.dsa_settings import indexer_uses_fp4
+    from vllm.models.kimi_k3.common.dsa_cache import (
+        dense_mla_draft_bytes_per_token,
+        indexer_cache_entry_bytes,
+        kimi_k3_indexer_uses_fp4,
+        packed_dsa_block_size,
+        packed_row_bytes_per_token,
+    )
 
     cfg = engine_configs[tp]
     block = _engine_block_size(cfg, monkeypatch)
     mla = target_mla_bytes_per_token(cfg)
-    index = indexer_cache_entry_bytes(INDEX_DIM, indexer_uses_fp4(cfg))
+    index = indexer_cache_entry_bytes(INDEX_DIM, kimi_k3_indexer_uses_fp4(cfg))
     state = kda_state_bytes_for(cfg)
     assert packed_dsa_block_size(cfg, mla, state, 128) == block
     p = variant_plan(capsys, checkpoint, tp)

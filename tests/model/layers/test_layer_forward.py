@@ -181,8 +181,6 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
     """``_fused_attention`` in a dummy run, with the prologue, the indexer
     scoring and the sparse MLA op recorded: the packed GEMMs give exactly
     what the six unpacked linears give, in the order the kernels take."""
-    import types
-
     from vllm.forward_context import set_forward_context
 
     layer = build(dsa_layer_env)
@@ -204,9 +202,8 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
         calls["prologue_kwargs"] = kwargs
         return q_c_normed, kv_c_normed
 
-    fused_prologue = types.ModuleType("fused_prologue")
-    fused_prologue.dsa_fused_prologue = prologue
-    monkeypatch.setattr(DF, "fused_prologue", fused_prologue)
+    monkeypatch.setattr(DF, "dsa_fused_prologue", prologue)
+    monkeypatch.setattr(DF, "mxfp4_fused_prologue", None)  # fp8 keys here
     monkeypatch.setattr(indexer, "score", lambda *args: calls.setdefault("score", args))
     impl = layer.mla_attn.mla_attn.impl
     monkeypatch.setattr(
@@ -236,7 +233,7 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
     assert args[9] is indexer.topk_indices_buffer
     assert args[10:] == (None, None, None, None)  # dummy run: no caches
     assert indexer.use_fp4_cache is False
-    assert calls["prologue_kwargs"] == {"fp4": False}
+    assert calls["prologue_kwargs"] == {}
 
     score_hidden, index_q, index_weights, score_k = calls["score"]
     assert score_hidden is hidden and score_k is None
@@ -404,8 +401,8 @@ def test_fused_insert_needs_the_extension(dsa_layer_env, monkeypatch):
     monkeypatch.setattr(DI, "_extension_loaded", lambda: False)
     indexer = build_indexer(dsa_layer_env)
     assert not indexer.use_fused_k_insert
-    import vllm.models.kimi_k3.common.dsa_settings as dsa_settings
+    import vllm.models.kimi_k3.common.dsa_cache as dsa_cache
 
-    monkeypatch.setattr(dsa_settings, "indexer_uses_fp4", lambda cfg: True)
+    monkeypatch.setattr(dsa_cache, "kimi_k3_indexer_uses_fp4", lambda cfg: True)
     with pytest.raises(NotImplementedError, match="vllm._kimi_k3_C extension built"):
         build_indexer(dsa_layer_env)

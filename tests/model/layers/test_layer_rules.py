@@ -37,24 +37,28 @@ def test_refuses_rocm(dsa_layer_env, monkeypatch):
 
 
 # The dsa_config rules are decided at config time (tests/config); a layer
-# built past them (a config made with dataclasses.replace) asserts.
+# built past them (a config made with dataclasses.replace) raises the
+# specification's exception, which python -O keeps (an assert would vanish).
 
 
-def test_index_rope_with_nope_asserts(dsa_layer_env):
+def test_index_rope_with_nope_refused(dsa_layer_env):
     config = with_dsa(dsa_layer_env.text_config(), index_rope_dim=32)
-    with pytest.raises(AssertionError, match="with mla_use_nope: refused by"):
+    with pytest.raises(ValueError, match="index_rope_dim > 0 is incompatible with"):
         build(dsa_layer_env, config)
 
 
-def test_index_rope_above_qk_rope_asserts(dsa_layer_env):
+def test_index_rope_above_qk_rope_refused(dsa_layer_env):
     config = with_dsa(dsa_layer_env.text_config(mla_use_nope=False), index_rope_dim=96)
-    with pytest.raises(AssertionError, match="above qk_rope_head_dim or index_head"):
+    with pytest.raises(
+        ValueError,
+        match=r"index_rope_dim \(96\) must not exceed min\(qk_rope_head_dim=64",
+    ):
         build(dsa_layer_env, config)
 
 
-def test_index_topk_freq_asserts(dsa_layer_env):
+def test_index_topk_freq_refused(dsa_layer_env):
     config = with_dsa(dsa_layer_env.text_config(), index_topk_freq=2)
-    with pytest.raises(AssertionError, match="index_topk_freq != 1: refused by"):
+    with pytest.raises(NotImplementedError, match="index_topk_freq != 1"):
         build(dsa_layer_env, config)
 
 
@@ -70,17 +74,19 @@ def test_index_topk_freq_accepted(dsa_layer_env, freq):
 
 @pytest.mark.parametrize("rope_dim", [-2, 3])
 def test_indexer_rope_dim_odd_or_negative(dsa_layer_env, rope_dim):
-    with pytest.raises(AssertionError, match="odd or negative index_rope_dim"):
+    with pytest.raises(ValueError, match="index_rope_dim must be even and >= 0"):
         build_indexer(dsa_layer_env, index_rope_dim=rope_dim)
 
 
 def test_indexer_rope_dim_above_head_dim(dsa_layer_env):
-    with pytest.raises(AssertionError, match="index_rope_dim above index_head_dim"):
+    with pytest.raises(
+        ValueError, match=r"index_rope_dim \(128\) must not exceed index_head_dim"
+    ):
         build_indexer(dsa_layer_env, index_head_dim=64, index_rope_dim=128)
 
 
 def test_indexer_k_norm_type_refused(dsa_layer_env):
-    with pytest.raises(AssertionError, match="unknown index_k_norm_type"):
+    with pytest.raises(ValueError, match="got 'batchnorm'"):
         build_indexer(dsa_layer_env, index_k_norm_type="batchnorm")
 
 
@@ -98,17 +104,17 @@ def test_indexer_more_than_64_heads_refused(dsa_layer_env):
 
 
 def test_mxfp4_without_fused_insert_refused(dsa_layer_env, monkeypatch):
-    import vllm.models.kimi_k3.common.dsa_settings as dsa_settings
+    import vllm.models.kimi_k3.common.dsa_cache as dsa_cache
 
-    monkeypatch.setattr(dsa_settings, "indexer_uses_fp4", lambda cfg: True)
+    monkeypatch.setattr(dsa_cache, "kimi_k3_indexer_uses_fp4", lambda cfg: True)
     with pytest.raises(NotImplementedError, match="MXFP4 indexer keys need the fused"):
         build_indexer(dsa_layer_env, index_k_norm_type="rmsnorm")
 
 
 def test_mxfp4_with_fused_insert_cache_bytes(dsa_layer_env, monkeypatch):
-    import vllm.models.kimi_k3.common.dsa_settings as dsa_settings
+    import vllm.models.kimi_k3.common.dsa_cache as dsa_cache
 
-    monkeypatch.setattr(dsa_settings, "indexer_uses_fp4", lambda cfg: True)
+    monkeypatch.setattr(dsa_cache, "kimi_k3_indexer_uses_fp4", lambda cfg: True)
     indexer = build_indexer(dsa_layer_env)
     assert indexer.use_fp4_cache and indexer.use_fused_k_insert
     assert indexer.k_cache.head_dim == 68

@@ -7,9 +7,11 @@ lightning indexer keeps the top-k cached tokens, sparse MLA attends to them).
 This module decides whether a checkpoint is such a model and refuses a
 ``dsa_config`` we cannot build: the HF config classes below parse the block
 into an immutable :class:`DSAConfig` and check it against the rest of the text
-config. What an engine configuration may do with such a model (cache and
-indexer dtypes, parallelism) is :mod:`.dsa_verify`'s, which the config
-verifier runs.
+config. Fields of ``dsa_config`` that Kimi K3.1 does not read are named in one
+warning and ignored; DSA keys outside ``dsa_config`` (another DSA model's
+layout) are refused when there is no ``dsa_config`` to serve from. What an
+engine configuration may do with such a model (cache and indexer dtypes,
+parallelism) is :mod:`.dsa_verify`'s, which the config verifier runs.
 
 Without ``dsa_config`` (plain Kimi K3, Kimi-Linear) the classes behave exactly
 as vLLM 0.33.0's: ``config.dsa_config is None`` and nothing else changes.
@@ -76,16 +78,20 @@ class DSAConfig:
                 f"dsa_config must be a JSON object, got {type(raw).__name__}"
             )
         known = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
+        unknown = sorted(str(key) for key in raw if key not in known)
         if unknown:
-            raise ValueError(
-                f"dsa_config has unknown field(s) {unknown}; accepted fields are "
-                f"{sorted(known)}"
+            # As the specification reads dsa_config: the fields it needs, the
+            # rest ignored, so a checkpoint with one more key still serves.
+            logger.warning_once(
+                "Kimi K3.1: dsa_config has unknown field(s) %s, which are "
+                "ignored; the fields read are %s",
+                ", ".join(unknown),
+                ", ".join(sorted(known)),
             )
         for name in ("index_topk", "index_head_dim", "index_num_heads"):
             if raw.get(name) is None:
                 raise ValueError(f"dsa_config.{name} is required and missing")
-        values = dict(raw)
+        values = {key: value for key, value in raw.items() if key in known}
         layers = values.get("index_layers")
         if layers is not None:
             values["index_layers"] = _parse_layer_list(layers)

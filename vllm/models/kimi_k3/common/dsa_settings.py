@@ -3,11 +3,11 @@
 
 The config verifier (:func:`~vllm.models.kimi_k3.common.dsa_verify.
 verify_dsa_vllm_config`) refuses what cannot be served; what it accepts
-resolves here: the indexer key format (:func:`indexer_uses_fp4`, which the
-layers, the cache builder and the block size all ask), the top-k buffer rows
-(:func:`topk_indices_buffer_rows`) and the head count DeepGEMM's indexer runs
-at (:func:`padded_index_heads`). :class:`DSASettings` gathers what a DSA layer
-reads of them.
+resolves here: the indexer key format (decided by
+:func:`~.dsa_cache.kimi_k3_indexer_uses_fp4`, which the cache builder and the
+block size ask too), the top-k buffer rows (:func:`topk_indices_buffer_rows`)
+and the head count DeepGEMM's indexer runs at (:func:`padded_index_heads`).
+:class:`DSASettings` gathers what a DSA layer reads of them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vllm.models.kimi_k3.common.dsa_config import DSAConfig, check_mxfp4_indexer
+from vllm.models.kimi_k3.common import dsa_cache
+from vllm.models.kimi_k3.common.dsa_config import DSAConfig
 from vllm.models.kimi_k3.common.dsa_formats import DEEPGEMM_INDEX_HEADS
 
 if TYPE_CHECKING:
@@ -57,32 +58,11 @@ def topk_indices_buffer_rows(vllm_config: VllmConfig) -> int:
     return vllm_config.scheduler_config.max_num_batched_tokens + slack
 
 
-def indexer_uses_fp4(vllm_config: VllmConfig) -> bool:
-    """Whether the indexer keys are MXFP4 instead of fp8 (the default,
-    ``indexer_kv_dtype='auto'``).
-
-    Decided by 0.33.0's ``dsa_indexer_uses_fp4``, the function vLLM's own
-    indexer cache code asks, so both sides agree on the format; a model the
-    MXFP4 keys cannot serve (:func:`check_mxfp4_indexer`, which the verifier
-    already ran) raises instead of writing another format.
-    """
-    from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
-
-    if not dsa_indexer_uses_fp4(vllm_config):
-        return False
-    model_config = getattr(vllm_config, "model_config", None)
-    text_config = getattr(model_config, "hf_text_config", None)
-    dsa = getattr(text_config, "dsa_config", None)
-    if dsa is not None:
-        check_mxfp4_indexer(dsa)
-    return True
-
-
 def resolve_dsa_settings(vllm_config: VllmConfig) -> DSASettings:
     """The settings of a Kimi K3.1 engine configuration (a DSA model)."""
     dsa: DSAConfig = vllm_config.model_config.hf_text_config.dsa_config
     return DSASettings(
-        indexer_fp4=indexer_uses_fp4(vllm_config),
+        indexer_fp4=dsa_cache.kimi_k3_indexer_uses_fp4(vllm_config),
         index_topk=dsa.index_topk,
         topk_buffer_rows=topk_indices_buffer_rows(vllm_config),
     )

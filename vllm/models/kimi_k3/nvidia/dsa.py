@@ -15,6 +15,11 @@ Classes:
 * :class:`KimiK3DSAIndexer` and :class:`KimiK3DSAIndexerKNorm`
   (:mod:`.dsa_indexer`): the indexer's projections, key norm and key cache.
 
+The ops the layers run (the fused prologue, the key insert, the query
+quantization; ``dsa_fused_prologue`` / ``mxfp4_fused_prologue`` and so on, one
+name per key format) are our kernels' entry points in
+:mod:`vllm.models.kimi_k3.nvidia.dsa_ops`, importable from here too.
+
 What vLLM 0.33.0 cannot host is feature-detected, never an
 ``AttributeError``: ShardQ (``sparse_mla_shard_q``) is requested only from a
 wrapper whose signature takes ``shardq_eligible`` (0.33.0's does not), and
@@ -49,6 +54,14 @@ from vllm.models.kimi_k3.nvidia.dsa_indexer import (
     KimiK3DSAIndexerKNorm,
 )
 from vllm.models.kimi_k3.nvidia.dsa_model import make_topk_indices_buffer
+from vllm.models.kimi_k3.nvidia.dsa_ops import (
+    dsa_fused_prologue,
+    indexer_k_norm_quant_insert,
+    indexer_q_quant_fold_weights,
+    mxfp4_fused_prologue,
+    mxfp4_k_norm_quant_insert,
+    mxfp4_q_quant,
+)
 from vllm.models.kimi_k3.nvidia.mla import (
     _GATE_MULTI_STREAM_TOKEN_THRESHOLD,
     _gate_sigmoid_mul,
@@ -61,6 +74,12 @@ __all__ = [
     "KimiK3DSAAttention",
     "KimiK3DSAIndexer",
     "KimiK3DSAIndexerKNorm",
+    "dsa_fused_prologue",
+    "indexer_k_norm_quant_insert",
+    "indexer_q_quant_fold_weights",
+    "mxfp4_fused_prologue",
+    "mxfp4_k_norm_quant_insert",
+    "mxfp4_q_quant",
     "padded_num_heads",
     "use_kimi_k3_mla_backend",
 ]
@@ -157,18 +176,28 @@ class KimiK3DSAAttention(nn.Module):
         self.index_head_dim = dsa_config.index_head_dim
         self.index_num_heads = dsa_config.index_num_heads
         self.index_rope_dim = dsa_config.index_rope_dim
-        # The dsa_config rules ran at config time (DSAConfig.from_dict,
-        # check_dsa_model); a layer built past them is a programming error.
-        assert not (self.index_rope_dim > 0 and self.use_nope), (
-            "index_rope_dim > 0 with mla_use_nope: refused by check_dsa_model"
-        )
-        assert self.index_rope_dim <= min(self.qk_rope_head_dim, self.index_head_dim), (
-            "index_rope_dim above qk_rope_head_dim or index_head_dim: refused by "
-            "check_dsa_model"
-        )
-        assert getattr(dsa_config, "index_topk_freq", 1) in (None, 1), (
-            "index_topk_freq != 1: refused by DSAConfig"
-        )
+        # The config checks (DSAConfig.from_dict, check_dsa_model) refuse
+        # these first; a layer built from another config meets them here.
+        if self.index_rope_dim > 0 and self.use_nope:
+            raise ValueError(
+                "dsa_config.index_rope_dim > 0 is incompatible with "
+                "mla_use_nope (there is no rotary cache to share), got "
+                f"index_rope_dim={self.index_rope_dim}"
+            )
+        if self.index_rope_dim > min(self.qk_rope_head_dim, self.index_head_dim):
+            raise ValueError(
+                f"dsa_config.index_rope_dim ({self.index_rope_dim}) must "
+                f"not exceed min(qk_rope_head_dim={self.qk_rope_head_dim}, "
+                f"index_head_dim={self.index_head_dim})"
+            )
+        # Kimi K3.1 has no index share: every DSA layer runs its own indexer.
+        index_topk_freq = getattr(dsa_config, "index_topk_freq", 1)
+        if index_topk_freq not in (None, 1):
+            raise NotImplementedError(
+                "Kimi-K3.1 DSA does not support index_topk_freq != 1 "
+                f"(index share); dsa_config.index_topk_freq accepts 1 or null, "
+                f"got {index_topk_freq!r}."
+            )
 
         vllm_config = get_current_vllm_config()
         self.topk_indices_buffer = self._model_topk_buffer(

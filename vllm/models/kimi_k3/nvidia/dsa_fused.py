@@ -31,7 +31,10 @@ from vllm.models.kimi_k3.nvidia.dsa_low_latency import (
     request_low_latency_warmup,
 )
 from vllm.models.kimi_k3.nvidia.dsa_ops import _extension as dsa_extension
-from vllm.models.kimi_k3.nvidia.dsa_ops import fused_prologue
+from vllm.models.kimi_k3.nvidia.dsa_ops import (
+    dsa_fused_prologue,
+    mxfp4_fused_prologue,
+)
 from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.attention.backends.mla import indexer as v32_indexer
 
@@ -176,7 +179,10 @@ def fused_attention(
     assert indexer.topk_indices_buffer is not None
     k_norm = cast(KimiK3DSAIndexerKNorm, indexer.k_index_norm)
     # One eps for the three norms (checked in pack_projections).
-    q_c, kv_c_normed = fused_prologue.dsa_fused_prologue(
+    prologue = dsa_fused_prologue
+    if indexer.use_fp4_cache:
+        prologue = mxfp4_fused_prologue
+    q_c, kv_c_normed = prologue(
         q_c,
         kv_c,
         k_pe,
@@ -188,7 +194,6 @@ def fused_attention(
         k_norm.eps,
         indexer.topk_indices_buffer,
         *caches,
-        fp4=indexer.use_fp4_cache,
     )
 
     q, index_q = low_latency_linear(q_c, query_weight).split(

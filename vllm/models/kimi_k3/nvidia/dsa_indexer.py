@@ -48,8 +48,10 @@ from vllm.models.kimi_k3.common.dsa_formats import k_insert_unsupported
 from vllm.models.kimi_k3.nvidia.dsa_ops import _extension as dsa_extension
 from vllm.models.kimi_k3.nvidia.dsa_ops import (
     index_rope,
-    indexer_k_insert,
-    indexer_q_quant,
+    indexer_k_norm_quant_insert,
+    indexer_q_quant_fold_weights,
+    mxfp4_k_norm_quant_insert,
+    mxfp4_q_quant,
 )
 from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.attention.backends.mla import indexer as v32_indexer
@@ -139,12 +141,15 @@ class KimiK3DSAIndexer(nn.Module):
         # Leading dims of every head that get RoPE (neox pairing with the main
         # attention's cos_sin_cache: checkpoints are pair-permuted at
         # conversion). 0 = no indexer rope; the forward is then unchanged.
-        assert index_rope_dim >= 0 and index_rope_dim % 2 == 0, (
-            "odd or negative index_rope_dim: refused by DSAConfig"
-        )
-        assert index_rope_dim <= index_head_dim, (
-            "index_rope_dim above index_head_dim: refused by DSAConfig"
-        )
+        if index_rope_dim < 0 or index_rope_dim % 2 != 0:
+            raise ValueError(
+                f"dsa_config.index_rope_dim must be even and >= 0, got {index_rope_dim}"
+            )
+        if index_rope_dim > index_head_dim:
+            raise ValueError(
+                f"dsa_config.index_rope_dim ({index_rope_dim}) must not "
+                f"exceed index_head_dim ({index_head_dim})"
+            )
         self.index_rope_dim = index_rope_dim
         # wq_index may be fp8 block-quantized in fp8 checkpoints; wk and
         # weights_proj are bf16 and share one GEMM.
@@ -168,11 +173,13 @@ class KimiK3DSAIndexer(nn.Module):
             self.k_index_norm = KimiK3DSAIndexerKNorm(
                 self.index_head_dim, eps=rms_norm_eps
             )
-        else:
-            assert index_k_norm_type == "rmsnorm", (
-                "unknown index_k_norm_type: refused by DSAConfig"
-            )
+        elif index_k_norm_type == "rmsnorm":
             self.k_index_norm = RMSNorm(self.index_head_dim, eps=rms_norm_eps)
+        else:
+            raise ValueError(
+                "dsa_config.index_k_norm_type must be 'rmsnorm' or "
+                f"'layernorm', got {index_k_norm_type!r}"
+            )
 
         # Power-of-two (ue8m0) key scales, as DeepSeek V3.2.
         self.scale_fmt = "ue8m0"
@@ -313,7 +320,10 @@ class KimiK3DSAIndexer(nn.Module):
         assert isinstance(metadata, v32_indexer.DeepseekV32IndexerMetadata)
         assert self.topk_indices_buffer is not None
         norm = cast(KimiK3DSAIndexerKNorm, self.k_index_norm)
-        indexer_k_insert.indexer_k_norm_quant_insert(
+        insert = indexer_k_norm_quant_insert
+        if self.use_fp4_cache:
+            insert = mxfp4_k_norm_quant_insert
+        insert(
             index_k,
             norm.weight,
             norm.bias,
@@ -322,7 +332,6 @@ class KimiK3DSAIndexer(nn.Module):
             kv_cache,
             self.topk_indices_buffer,
             num_tokens,
-            fp4=self.use_fp4_cache,
         )
 
     def forward(
@@ -354,11 +363,12 @@ class KimiK3DSAIndexer(nn.Module):
         else:
             index_k = self.k_index_norm(index_k)
             if self.index_rope_dim > 0:
-                assert positions is not None and rotary_emb is not None, (
-                    "index_rope_dim > 0 requires positions and the main "
-                    "attention rotary_emb (mla_use_nope models cannot enable "
-                    "indexer rope)"
-                )
+                if positions is None or rotary_emb is None:
+                    raise ValueError(
+                        "index_rope_dim > 0 requires positions and the main "
+                        "attention rotary_emb (mla_use_nope models cannot "
+                        "enable indexer rope)"
+                    )
                 index_q, index_k = self._apply_index_rope(
                     index_q, index_k, positions, rotary_emb
                 )
@@ -374,13 +384,15 @@ class KimiK3DSAIndexer(nn.Module):
         """Top-k of the current rows into ``topk_indices_buffer``; ``index_k`` is
         None when the key was already inserted (``use_fused_k_insert``)."""
         weight_scale = self.index_softmax_scale * self.indexer_weight_scale
-        q_quant, q_scale, weights = indexer_q_quant.indexer_q_quant(
-            index_q,
-            index_weights,
-            weight_scale,
-            self.padded_index_num_heads,
-            fp4=self.use_fp4_cache,
-        )
+        q_scale: torch.Tensor | None = None
+        if self.use_fp4_cache:
+            q_quant, q_scale, weights = mxfp4_q_quant(
+                index_q, index_weights, weight_scale, self.padded_index_num_heads
+            )
+        else:
+            q_quant, weights = indexer_q_quant_fold_weights(
+                index_q, index_weights, weight_scale, self.padded_index_num_heads
+            )
         # Inserts the keys (unless fused) and writes the top-k into the shared
         # buffer, as SparseAttnIndexer.forward_cuda. In a dummy run kv_cache is
         # an empty placeholder and the op only reserves its workspace.

@@ -196,11 +196,19 @@ def indexer_block_views(
     """(values, scales) views of an indexer cache ``[blocks, block_size,
     entry]`` uint8: per block ``block_size`` value rows, then ``block_size``
     scale rows. The block stride comes from the tensor (packed DSA rows)."""
-    assert kv_cache.dtype == torch.uint8 and kv_cache.dim() == 3
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3:
+        raise ValueError(
+            "indexer cache must be uint8 [blocks, block_size, entry], got "
+            f"{kv_cache.dtype} {tuple(kv_cache.shape)}"
+        )
     num_blocks, block_size, entry = kv_cache.shape
     vb = indexer_value_bytes(head_dim, fp4)
     sb = indexer_scale_bytes(head_dim, fp4)
-    assert entry == vb + sb, f"entry {entry} != {vb} + {sb}"
+    if entry != vb + sb:
+        raise ValueError(
+            f"indexer cache entry is {entry} bytes, but head dim {head_dim} "
+            f"{'MXFP4' if fp4 else 'fp8'} keys take {vb} + {sb}"
+        )
     bs = kv_cache.stride(0)
     values = kv_cache.as_strided((num_blocks, block_size, vb), (bs, vb, 1))
     scales = kv_cache.as_strided(

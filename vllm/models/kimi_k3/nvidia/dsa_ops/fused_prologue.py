@@ -60,7 +60,12 @@ def dsa_fused_prologue(
     scale word the device's DeepGEMM reads (SM10x: UE8M0)."""
     mx_scales = resolve_mx_scales(fp4, mx_scales, q_c.device)
     if check_slots and mla_kv_cache is not None and index_kv_cache is not None:
-        assert mla_slot_mapping is not None and index_slot_mapping is not None
+        if mla_slot_mapping is None or index_slot_mapping is None:
+            raise ValueError(
+                "dsa_fused_prologue: mla_slot_mapping and index_slot_mapping are "
+                "required with the caches (pass all four, or none for a "
+                "profiling run)"
+            )
         check_slot_bounds(mla_slot_mapping, mla_kv_cache)
         check_slot_bounds(index_slot_mapping, index_kv_cache)
     num_tokens = q_c.shape[0]
@@ -91,3 +96,43 @@ def dsa_fused_prologue(
         mx_scales,
     )
     return q_c_out, kv_c_out
+
+
+def mxfp4_fused_prologue(
+    q_c: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    index_k: torch.Tensor,
+    q_a_norm_weight: torch.Tensor,
+    kv_a_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    k_norm_bias: torch.Tensor,
+    eps: float,
+    topk_indices_buffer: torch.Tensor,
+    mla_kv_cache: torch.Tensor | None = None,
+    mla_slot_mapping: torch.Tensor | None = None,
+    index_kv_cache: torch.Tensor | None = None,
+    index_slot_mapping: torch.Tensor | None = None,
+    *,
+    check_slots: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dsa_fused_prologue` with MXFP4 indexer keys (68 bytes per token
+    at head dim 128, SM10x readers)."""
+    return dsa_fused_prologue(
+        q_c,
+        kv_c,
+        k_pe,
+        index_k,
+        q_a_norm_weight,
+        kv_a_norm_weight,
+        k_norm_weight,
+        k_norm_bias,
+        eps,
+        topk_indices_buffer,
+        mla_kv_cache,
+        mla_slot_mapping,
+        index_kv_cache,
+        index_slot_mapping,
+        fp4=True,
+        check_slots=check_slots,
+    )

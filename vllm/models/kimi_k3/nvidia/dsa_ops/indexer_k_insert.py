@@ -102,3 +102,31 @@ def indexer_k_norm_quant_insert(
         fp4,
         mx_scales,
     )
+
+
+def mxfp4_k_norm_quant_insert(
+    index_k: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_indices_buffer: torch.Tensor,
+    num_tokens: int,
+    *,
+    check_slots: bool = False,
+) -> None:
+    """:func:`indexer_k_norm_quant_insert` with MXFP4 keys (68 bytes per token
+    at head dim 128, SM10x readers)."""
+    indexer_k_norm_quant_insert(
+        index_k,
+        weight,
+        bias,
+        eps,
+        slot_mapping,
+        kv_cache,
+        topk_indices_buffer,
+        num_tokens,
+        fp4=True,
+        check_slots=check_slots,
+    )

@@ -37,6 +37,8 @@ row and never matter, since the weight is zero). ``reference.indexer_q_quant``
 is the contract the Triton kernels are tested against.
 """
 
+from typing import cast
+
 import torch
 
 from vllm.models.kimi_k3.common.dsa_formats import (
@@ -327,6 +329,35 @@ def indexer_q_quant(
         index_q, index_weights, weight_scale, padded_heads
     )
     return q_fp8, None, weights
+
+
+def indexer_q_quant_fold_weights(
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    weight_scale: float,
+    padded_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 indexer query and its fp32 weights with the query's scale
+    folded in (:func:`indexer_q_quant` with fp8: no ``q_scale`` to pass)."""
+    q_fp8, _, weights = indexer_q_quant(
+        index_q, index_weights, weight_scale, padded_heads
+    )
+    return q_fp8, weights
+
+
+def mxfp4_q_quant(
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    weight_scale: float,
+    padded_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MXFP4 indexer query, its UE8M0 block scales and its fp32 weights
+    (:func:`indexer_q_quant` with ``fp4``; SM10x readers)."""
+    q_packed, q_scale, weights = indexer_q_quant(
+        index_q, index_weights, weight_scale, padded_heads, fp4=True
+    )
+    # An MXFP4 query always carries its scales.
+    return q_packed, cast(torch.Tensor, q_scale), weights
 
 
 def _fp8_q_quant_triton(

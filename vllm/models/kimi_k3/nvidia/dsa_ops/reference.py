@@ -126,7 +126,11 @@ def fused_prologue(
         or index_kv_cache.numel() == 0
     ):
         return q_out, kv_out
-    assert mla_slot_mapping is not None and index_slot_mapping is not None
+    if mla_slot_mapping is None or index_slot_mapping is None:
+        raise ValueError(
+            "fused_prologue: mla_slot_mapping and index_slot_mapping are required "
+            "with the caches"
+        )
     n = mla_slot_mapping.numel()
     slots = mla_slot_mapping.long()
     keep = slots >= 0

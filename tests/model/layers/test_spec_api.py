@@ -1,0 +1,281 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The specification's public names at its paths, with the signatures it
+shows (seed 001: ``common/dsa_cache.py``; seed 000: ``nvidia/dsa.py`` and the
+ops it calls as that module's names), and the exceptions its layers raise
+where the code used to assert."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+from layer_builders import build, build_indexer, cpu_post_load, fill_random
+
+import vllm.models.kimi_k3.common.dsa_cache as dsa_cache
+import vllm.models.kimi_k3.nvidia.dsa as D
+import vllm.models.kimi_k3.nvidia.dsa_fused as DF
+import vllm.models.kimi_k3.nvidia.dsa_indexer as DI
+from vllm.models.kimi_k3.common.dsa_config import DSAConfig
+from vllm.v1.attention.backends.mla import indexer as v32_indexer
+
+CACHE = "vllm.models.kimi_k3.common.dsa_cache"
+DSA = "vllm.models.kimi_k3.nvidia.dsa"
+OPS = "vllm.models.kimi_k3.nvidia.dsa_ops"
+
+# Parameter names, in order, as the specification shows them.
+CACHE_SIGNATURES = {
+    "kimi_k3_indexer_uses_fp4": ["vllm_config"],
+    "indexer_cache_entry_bytes": ["head_dim", "use_fp4_cache"],
+    "dense_mla_draft_bytes_per_token": ["vllm_config"],
+    "packed_dsa_block_size": [
+        "vllm_config",
+        "mla_bytes_per_token",
+        "state_bytes",
+        "alignment",
+    ],
+}
+# The ops seed 000 calls as names of nvidia/dsa.py, with the number of
+# positional arguments it passes: the prologue takes the four caches and slot
+# mappings after its ten inputs.
+OP_CALLS = {
+    "dsa_fused_prologue": (10, 14),
+    "mxfp4_fused_prologue": (10, 14),
+    "indexer_k_norm_quant_insert": (8, 8),
+    "mxfp4_k_norm_quant_insert": (8, 8),
+    "indexer_q_quant_fold_weights": (4, 4),
+    "mxfp4_q_quant": (4, 4),
+}
+ATTENTION_PARAMS = [
+    "config",
+    "hidden_size",
+    "num_heads",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "cache_config",
+    "quant_config",
+    "prefix",
+    "reduce_results",
+    "topk_indices_buffer",
+    "aux_stream",
+]
+INDEXER_PARAMS = [
+    "vllm_config",
+    "hidden_size",
+    "index_q_input_size",
+    "index_head_dim",
+    "index_num_heads",
+    "index_topk",
+    "rms_norm_eps",
+    "index_rope_dim",
+    "index_k_norm_type",
+    "cache_config",
+    "quant_config",
+    "topk_indices_buffer",
+    "prefix",
+]
+
+
+def _names(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+@pytest.mark.parametrize("name", sorted(CACHE_SIGNATURES))
+def test_cache_functions_at_their_path(name):
+    fn = getattr(importlib.import_module(CACHE), name)
+    assert inspect.isfunction(fn) and fn.__module__ == CACHE
+    assert _names(fn) == CACHE_SIGNATURES[name]
+
+
+def test_indexer_metadata_builder_at_its_path():
+    cls = importlib.import_module(CACHE).KimiK3IndexerMetadataBuilder
+    assert issubclass(cls, v32_indexer.DeepseekV32IndexerMetadataBuilder)
+    assert _names(cls.build) == [
+        "self",
+        "common_prefix_len",
+        "common_attn_metadata",
+        "fast_build",
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(OP_CALLS))
+def test_ops_by_the_specification_names(name):
+    """Each op is one public function of the ops layer, importable from
+    nvidia/dsa.py by the same name, taking the arguments seed 000 passes."""
+    op = getattr(importlib.import_module(OPS), name)
+    assert getattr(importlib.import_module(DSA), name) is op
+    assert name in importlib.import_module(OPS).__all__
+    assert name in D.__all__
+    required, most = OP_CALLS[name]
+    signature = inspect.signature(op)
+    signature.bind(*range(required))
+    signature.bind(*range(most))
+    with pytest.raises(TypeError):
+        signature.bind(*range(most + 1))
+
+
+def test_layer_classes_and_their_signatures():
+    module = importlib.import_module(DSA)
+    init = module.KimiK3DSAAttention.__init__
+    assert _names(init)[1 : 1 + len(ATTENTION_PARAMS)] == ATTENTION_PARAMS
+    assert _names(module.KimiK3DSAIndexer.__init__)[1:] == INDEXER_PARAMS
+    assert _names(module.KimiK3DSAIndexerKNorm.__init__) == ["self", "dim", "eps"]
+    assert _names(module.KimiK3DSAIndexer.score) == [
+        "self",
+        "hidden_states",
+        "index_q",
+        "index_weights",
+        "index_k",
+    ]
+    assert _names(module.KimiK3DSAAttention.pack_projections) == ["self"]
+
+
+# --------------------------------------------------------------------------
+# Exceptions where the specification raises (python -O keeps them)
+# --------------------------------------------------------------------------
+
+
+def _fp4_config(pcp: int = 1, index_k_norm_type: str = "layernorm"):
+    """Stub config: what kimi_k3_indexer_uses_fp4 reads."""
+    dsa = DSAConfig(
+        index_topk=128,
+        index_head_dim=128,
+        index_num_heads=32,
+        index_k_norm_type=index_k_norm_type,
+    )
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(dsa_config=dsa)),
+        parallel_config=SimpleNamespace(prefill_context_parallel_size=pcp),
+    )
+
+
+def test_mxfp4_keys_with_pcp_refused(monkeypatch):
+    # Stub: answer "SM10x" for vLLM's MXFP4 capability check.
+    monkeypatch.setattr(v32_indexer, "dsa_indexer_uses_fp4", lambda cfg: True)
+    assert dsa_cache.kimi_k3_indexer_uses_fp4(_fp4_config()) is True
+    with pytest.raises(ValueError, match="prefill context parallelism"):
+        dsa_cache.kimi_k3_indexer_uses_fp4(_fp4_config(pcp=2))
+    with pytest.raises(ValueError, match="fused Kimi K3 DSA key insert"):
+        dsa_cache.kimi_k3_indexer_uses_fp4(_fp4_config(index_k_norm_type="rmsnorm"))
+
+
+def test_indexer_builder_with_pcp_raises(monkeypatch):
+    """The builder's own guard, behind the PCP refusal it runs first: a base
+    class that turned PCP on (stubbed) is refused, not asserted."""
+
+    def base_init(self, *args, **kwargs):
+        self.use_pcp = True
+
+    monkeypatch.setattr(dsa_cache, "check_dsa_pcp", lambda parallel_config: None)
+    monkeypatch.setattr(
+        v32_indexer.DeepseekV32IndexerMetadataBuilder, "__init__", base_init
+    )
+    with pytest.raises(NotImplementedError, match="packed DSA caches with PCP"):
+        dsa_cache.KimiK3IndexerMetadataBuilder(None, [], None, torch.device("cpu"))
+
+
+def test_indexer_rope_needs_positions(dsa_layer_env):
+    config = dsa_layer_env.text_config(
+        mla_use_nope=False,
+        dsa_config=dsa_layer_env.dsa_config(
+            index_k_norm_type="rmsnorm", index_rope_dim=32
+        ),
+    )
+    layer = build(dsa_layer_env, config)
+    cpu_post_load(layer)
+    indexer = layer.dsa_indexer
+    with pytest.raises(ValueError, match="requires positions"):
+        indexer(torch.randn(2, 256), torch.randn(2, 1536))
+
+
+def test_prologue_slot_check_needs_both_slot_mappings():
+    from vllm.models.kimi_k3.nvidia.dsa_ops import dsa_fused_prologue
+
+    cache = torch.zeros(1, 64, 656, dtype=torch.uint8)
+    tensors = [torch.zeros(1)] * 10
+    with pytest.raises(ValueError, match="index_slot_mapping are required"):
+        dsa_fused_prologue(*tensors, cache, None, cache, None, check_slots=True)
+
+
+def test_reference_prologue_needs_both_slot_mappings():
+    from vllm.models.kimi_k3.nvidia.dsa_ops import reference
+
+    q_c, kv_c, k_pe, index_k = (torch.randn(2, n) for n in (1536, 512, 64, 128))
+    weights = [torch.ones(n) for n in (1536, 512, 128)] + [torch.zeros(128)]
+    mla = torch.zeros(1, 64, 656, dtype=torch.uint8)
+    index = torch.zeros(1, 64, 132, dtype=torch.uint8)
+    topk = torch.zeros(2, 128, dtype=torch.int32)
+    with pytest.raises(ValueError, match="index_slot_mapping are required"):
+        reference.fused_prologue(
+            q_c, kv_c, k_pe, index_k, *weights, 1e-5, topk, mla, None, index, None
+        )
+
+
+def test_indexer_cache_views_refuse_a_cache_of_another_format():
+    from vllm.models.kimi_k3.nvidia.dsa_ops.formats import indexer_block_views
+
+    fp8_cache = torch.zeros(2, 64, 132, dtype=torch.uint8)
+    values, scales = indexer_block_views(fp8_cache, 128, fp4=False)
+    assert (values.shape, scales.shape) == ((2, 64, 128), (2, 64, 4))
+    with pytest.raises(ValueError, match="MXFP4 keys take 64 \\+ 4"):
+        indexer_block_views(fp8_cache, 128, fp4=True)
+    with pytest.raises(ValueError, match="must be uint8"):
+        indexer_block_views(fp8_cache.view(torch.int8), 128, fp4=False)
+
+
+# --------------------------------------------------------------------------
+# The layers call the ops by those names, one per key format
+# --------------------------------------------------------------------------
+
+
+class _Called(Exception):
+    pass
+
+
+def _recorder(name: str, calls: list[str]):
+    def op(*args, **kwargs):
+        calls.append(name)
+        assert "fp4" not in kwargs  # the name carries the format
+        raise _Called
+
+    return op
+
+
+@pytest.mark.parametrize("fp4", [False, True])
+def test_indexer_scores_with_the_query_op_of_its_format(
+    dsa_layer_env, monkeypatch, fp4
+):
+    calls: list[str] = []
+    for name in ("indexer_q_quant_fold_weights", "mxfp4_q_quant"):
+        monkeypatch.setattr(DI, name, _recorder(name, calls))
+    indexer = build_indexer(dsa_layer_env)
+    indexer.use_fp4_cache = fp4
+    with pytest.raises(_Called):
+        indexer.score(torch.randn(2, 256), torch.randn(2, 32, 128), None, None)
+    assert calls == ["mxfp4_q_quant" if fp4 else "indexer_q_quant_fold_weights"]
+
+
+@pytest.mark.parametrize("fp4", [False, True])
+def test_fused_forward_runs_the_prologue_of_its_format(
+    dsa_layer_env, extension, monkeypatch, fp4
+):
+    from vllm.forward_context import set_forward_context
+
+    calls: list[str] = []
+    for name in ("dsa_fused_prologue", "mxfp4_fused_prologue"):
+        monkeypatch.setattr(DF, name, _recorder(name, calls))
+    layer = build(dsa_layer_env)
+    fill_random(layer)
+    cpu_post_load(layer)
+    layer.pack_projections()
+    assert layer._packed is not None
+    layer.dsa_indexer.use_fp4_cache = fp4
+    with set_forward_context(None, dsa_layer_env.vllm_config), pytest.raises(_Called):
+        layer._fused_attention(torch.randn(3, 256))
+    assert calls == ["mxfp4_fused_prologue" if fp4 else "dsa_fused_prologue"]
