@@ -17,12 +17,13 @@ from k3_1_specs import FULL_ATTN
 from vllm.models.kimi_k3.common.dsa_cache import (
     KimiK3FlashMLASparseBackend,
     KimiK3IndexerBackend,
-    is_kimi_k3_dsa_backend,
 )
 from vllm.models.kimi_k3.common.dsa_envs import MLA_KERNEL_PAGES_ENV
 from vllm.models.kimi_k3.common.dsa_pages import (
     MLA_KERNEL_PAGE_TOKENS,
+    SLOTS_FROM_RUNNER,
     kernel_page_slots,
+    token_cache_kernel_page_slots,
 )
 
 TP = 8
@@ -73,8 +74,12 @@ def test_mla_backend_is_ours_and_splits_only_when_forced(monkeypatch):
     from vllm.v1.attention.backend import MultipleOf
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
 
-    assert is_kimi_k3_dsa_backend(KimiK3FlashMLASparseBackend)
-    assert not is_kimi_k3_dsa_backend(FlashMLASparseBackend)
+    # The runner may split its cache because it hands it kernel-page slots;
+    # upstream's FlashMLA sparse keeps the default (not split).
+    assert token_cache_kernel_page_slots(KimiK3FlashMLASparseBackend) == (
+        SLOTS_FROM_RUNNER
+    )
+    assert token_cache_kernel_page_slots(FlashMLASparseBackend) is None
     assert KimiK3FlashMLASparseBackend.get_name() == "FLASHMLA_SPARSE"
     monkeypatch.delenv(MLA_KERNEL_PAGES_ENV, raising=False)
     assert KimiK3FlashMLASparseBackend.get_supported_kernel_block_sizes() == [

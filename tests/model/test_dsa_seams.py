@@ -100,8 +100,8 @@ def test_factory_builds_dense_mla_without_dsa_config(dsa_layer_env) -> None:
 
     from vllm.models.kimi_k3.common.dsa_config import KimiLinearDSAConfig
     from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import tiny_text_config
-    from vllm.plugins.kimi_k3_dsa.dsa_layers import kimi_k3_attention_factory
     from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
+    from vllm.plugins.kimi_k3_dsa.dsa_layers import kimi_k3_attention_factory
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     config = KimiLinearDSAConfig(**tiny_text_config(dsa=False))

@@ -135,9 +135,7 @@ def pack_projections(layer: nn.Module) -> list[torch.Tensor]:
     return packed_weights
 
 
-def fused_attention(
-    layer: nn.Module, hidden_states: torch.Tensor
-) -> torch.Tensor:
+def fused_attention(layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Packed GEMM, the fused prologue (norms, both cache inserts, top-k
     fill), packed query GEMM, indexer scoring, sparse MLA."""
     assert layer.q_lora_rank is not None and layer._packed is not None
