@@ -208,6 +208,37 @@ def test_runner_slots_are_remapped_for_split_mla_groups(allocated):
     assert sliced[1][names[0]].tolist() == expected[2:]
 
 
+def test_the_runner_asks_the_backend_capability_not_its_type(allocated):
+    """Which split groups get kernel-page slots is the backend's
+    ``token_cache_kernel_page_slots``: any backend that declares ``"runner"``
+    does, ours with the attribute cleared and a builder-slot backend do not,
+    and an undeclared value is refused naming the accepted ones."""
+    from vllm.models.kimi_k3.common.dsa_slot_mappings import kernel_page_slot_groups
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+
+    _, kv_cache_config, caches = allocated
+    _, mla_group = _split("l3.mla", kv_cache_config, caches["l3.mla"])
+    gid = mla_group.kv_cache_group_id
+
+    def with_backend(backend: type) -> SimpleNamespace:
+        return SimpleNamespace(**{**vars(mla_group), "backend": backend})
+
+    class OtherRunnerSlots(FlashMLASparseBackend):
+        token_cache_kernel_page_slots = SLOTS_FROM_RUNNER
+
+    class NotDeclared(KimiK3FlashMLASparseBackend):
+        token_cache_kernel_page_slots = None
+
+    class Misdeclared(FlashMLASparseBackend):
+        token_cache_kernel_page_slots = "yes"
+
+    assert set(kernel_page_slot_groups([with_backend(OtherRunnerSlots)])) == {gid}
+    assert kernel_page_slot_groups([with_backend(NotDeclared)]) == {}
+    assert kernel_page_slot_groups([with_backend(KimiK3IndexerBackend)]) == {}
+    with pytest.raises(ValueError, match="'yes'; accepted: None, 'builder'"):
+        kernel_page_slot_groups([with_backend(Misdeclared)])
+
+
 def test_runner_slots_untouched_without_a_split(allocated):
     from vllm.models.kimi_k3.common.dsa_slot_mappings import remap_slot_mappings
     from vllm.v1.worker.utils import AttentionGroup
