@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from vllm.logger import init_logger
 from vllm.models.kimi_k3.common.dsa_config import is_dsa_model
 from vllm.models.kimi_k3.nvidia.dsa import (
     KimiK3DSAAttention,
@@ -44,8 +43,6 @@ __all__ = [
     "make_topk_indices_buffer",
     "map_indexer_names_in_quant_config",
 ]
-
-logger = init_logger(__name__)
 
 # ---------------------------------------------------------------------------
 # Model-level shared state: one top-k buffer, one index-group builder
