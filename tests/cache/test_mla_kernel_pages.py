@@ -17,11 +17,14 @@ from k3_1_specs import FULL_ATTN
 from vllm.models.kimi_k3.common.dsa_cache import (
     KimiK3FlashMLASparseBackend,
     KimiK3IndexerBackend,
-    is_kimi_k3_dsa_backend,
 )
 from vllm.models.kimi_k3.common.dsa_envs import MLA_KERNEL_PAGES_ENV
 from vllm.models.kimi_k3.common.dsa_formats import MLA_KERNEL_PAGE_TOKENS
-from vllm.models.kimi_k3.common.dsa_pages import kernel_page_slots
+from vllm.models.kimi_k3.common.dsa_pages import (
+    SLOTS_FROM_RUNNER,
+    kernel_page_slots,
+    token_cache_kernel_page_slots,
+)
 
 TP = 8
 NUM_BLOCKS = 4
@@ -71,8 +74,12 @@ def test_mla_backend_is_ours_and_splits_only_when_forced(monkeypatch):
     from vllm.v1.attention.backend import MultipleOf
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
 
-    assert is_kimi_k3_dsa_backend(KimiK3FlashMLASparseBackend)
-    assert not is_kimi_k3_dsa_backend(FlashMLASparseBackend)
+    # The runner may split its cache because it hands it kernel-page slots;
+    # upstream's FlashMLA sparse keeps the default (not split).
+    assert token_cache_kernel_page_slots(KimiK3FlashMLASparseBackend) == (
+        SLOTS_FROM_RUNNER
+    )
+    assert token_cache_kernel_page_slots(FlashMLASparseBackend) is None
     assert KimiK3FlashMLASparseBackend.get_name() == "FLASHMLA_SPARSE"
     monkeypatch.delenv(MLA_KERNEL_PAGES_ENV, raising=False)
     assert KimiK3FlashMLASparseBackend.get_supported_kernel_block_sizes() == [
@@ -199,6 +206,37 @@ def test_runner_slots_are_remapped_for_split_mla_groups(allocated):
     _, sliced = remap_slot_mappings(runner, {gid: manager}, sliced, ubatches)
     assert sliced[0][names[0]].tolist() == expected[:2]
     assert sliced[1][names[0]].tolist() == expected[2:]
+
+
+def test_the_runner_asks_the_backend_capability_not_its_type(allocated):
+    """Which split groups get kernel-page slots is the backend's
+    ``token_cache_kernel_page_slots``: any backend that declares ``"runner"``
+    does, ours with the attribute cleared and a builder-slot backend do not,
+    and an undeclared value is refused naming the accepted ones."""
+    from vllm.models.kimi_k3.common.dsa_slot_mappings import kernel_page_slot_groups
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+
+    _, kv_cache_config, caches = allocated
+    _, mla_group = _split("l3.mla", kv_cache_config, caches["l3.mla"])
+    gid = mla_group.kv_cache_group_id
+
+    def with_backend(backend: type) -> SimpleNamespace:
+        return SimpleNamespace(**{**vars(mla_group), "backend": backend})
+
+    class OtherRunnerSlots(FlashMLASparseBackend):
+        token_cache_kernel_page_slots = SLOTS_FROM_RUNNER
+
+    class NotDeclared(KimiK3FlashMLASparseBackend):
+        token_cache_kernel_page_slots = None
+
+    class Misdeclared(FlashMLASparseBackend):
+        token_cache_kernel_page_slots = "yes"
+
+    assert set(kernel_page_slot_groups([with_backend(OtherRunnerSlots)])) == {gid}
+    assert kernel_page_slot_groups([with_backend(NotDeclared)]) == {}
+    assert kernel_page_slot_groups([with_backend(KimiK3IndexerBackend)]) == {}
+    with pytest.raises(ValueError, match="'yes'; accepted: None, 'builder'"):
+        kernel_page_slot_groups([with_backend(Misdeclared)])
 
 
 def test_runner_slots_untouched_without_a_split(allocated):

@@ -55,14 +55,14 @@ def dsa_log(record_logs):
 @pytest.mark.overlay_only
 def test_seams_registered() -> None:
     import vllm.models.kimi_k3.nvidia.model as model_module
-    from vllm.models.kimi_k3.nvidia import dsa_model
     from vllm.plugins import kimi_k3_dsa
+    from vllm.plugins.kimi_k3_dsa import dsa_layers
 
     for name in ("dsa_layers", "dsa_weights", "dsa_post_load"):
         assert name in kimi_k3_dsa.PATCH_MODULES
     kimi_k3_dsa.register()
     assert model_module.MultiHeadLatentAttention is (
-        dsa_model.kimi_k3_attention_factory
+        dsa_layers.kimi_k3_attention_factory
     )
 
 

@@ -52,7 +52,6 @@ def test_on_import_runs_after_the_module_executes(
 def test_seams_apply_once_and_wire_the_upstream_classes() -> None:
     import vllm.models.kimi_k3.nvidia.model as model
     import vllm.models.kimi_k3.nvidia.mtp as mtp
-    from vllm.models.kimi_k3.nvidia import dsa_model
     from vllm.plugins import kimi_k3_dsa
     from vllm.plugins.kimi_k3_dsa import dsa_layers, dsa_post_load, dsa_weights
 
@@ -78,7 +77,7 @@ def test_seams_apply_once_and_wire_the_upstream_classes() -> None:
         mtp.KimiK3MTP.process_weights_after_loading,
     )
     assert before == after
-    assert model.MultiHeadLatentAttention is dsa_model.kimi_k3_attention_factory
+    assert model.MultiHeadLatentAttention is dsa_layers.kimi_k3_attention_factory
     # The wrappers keep the upstream signatures visible (functools.wraps).
     import inspect
 
@@ -101,8 +100,8 @@ def test_factory_builds_dense_mla_without_dsa_config(dsa_layer_env) -> None:
 
     from kimi_k3_dsa_tools.tiny_checkpoint import tiny_text_config
     from vllm.models.kimi_k3.common.dsa_config import KimiLinearDSAConfig
-    from vllm.models.kimi_k3.nvidia.dsa_model import kimi_k3_attention_factory
     from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
+    from vllm.plugins.kimi_k3_dsa.dsa_layers import kimi_k3_attention_factory
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     config = KimiLinearDSAConfig(**tiny_text_config(dsa=False))

@@ -1,77 +1,205 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # ruff: noqa: E501 (the strings quote lines of vLLM's files verbatim)
 """In-tree edit of the ``dsa_layers`` seam: Kimi K3's decoder (and its MTP
-block) builds ``KimiK3DSAAttention`` for a checkpoint with ``dsa_config``,
-every layer sharing the model's top-k buffer and index-group builder."""
+block) builds ``KimiK3DSAAttention`` for a checkpoint with ``dsa_config``; the
+model allocates one top-k buffer and index-group builder and passes them to
+each layer's constructor, as ``DeepseekV32Model`` does."""
 
-from patch_series.edits import Edit, insert_before
+from patch_series.edits import Edit, insert_after, insert_before
 
 SUBJECT = "[Model] Kimi K3.1: build DSA attention layers in Kimi K3's decoder and MTP"
 
 _MODEL = "vllm/models/kimi_k3/nvidia/model.py"
 _MTP = "vllm/models/kimi_k3/nvidia/mtp.py"
 
+# The model's shared DSA state (None without dsa_config), kept on the model
+# and unpacked for the layers' constructors.
+_MAKE_STATE = (
+    "{i}# Kimi K3.1 DSA (None without dsa_config): one top-k buffer and one\n"
+    "{i}# index-group builder for every DSA layer, as DeepseekV32Model; kept\n"
+    "{i}# on the model, where the MTP proposer shares the buffer with the draft.\n"
+    "{i}dsa_state = make_dsa_model_state(vllm_config)\n"
+    "{i}attach_dsa_model_state(self, dsa_state)\n"
+    "{i}topk_indices_buffer = dsa_state.topk_indices_buffer if dsa_state else None\n"
+    "{i}index_group_builder = dsa_state.index_group_builder if dsa_state else None\n"
+)
 
-def _scoped_init(first_line: str) -> str:
-    """``__init__`` runs the original body (now ``_init_layers``) inside the
-    model's DSA scope, then keeps the shared state on the module."""
-    return (
-        '    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):\n'
-        "        # Kimi K3.1 DSA: the layers built here share one top-k buffer and\n"
-        "        # index-group builder, left on the model for the MTP proposer.\n"
-        "        with dsa_model_scope(vllm_config) as dsa_state:\n"
-        "            self._init_layers(vllm_config=vllm_config, prefix=prefix)\n"
-        "        attach_dsa_model_state(self, dsa_state)\n"
-        "\n"
-        "    def _init_layers(self, *, vllm_config: VllmConfig, prefix: str) -> None:\n"
-        f"{first_line}"
-    )
+_DENSE_MLA_ARGS = (
+    "config=config,\n"
+    "hidden_size=self.hidden_size,\n"
+    "num_heads=config.num_attention_heads,\n"
+    "qk_nope_head_dim=qk_nope_head_dim,\n"
+    "qk_rope_head_dim=qk_rope_head_dim,\n"
+    "v_head_dim=v_head_dim,\n"
+    "q_lora_rank=config.q_lora_rank,\n"
+    "kv_lora_rank=kv_lora_rank,\n"
+    "use_output_gate=bool(config.mla_use_output_gate),\n"
+    "cache_config=cache_config,\n"
+    "quant_config=quant_config,\n"
+    'prefix=f"{prefix}.self_attn",\n'
+    "aux_stream=aux_stream,\n"
+    "run_gemm_rs_ar=run_gemm_rs_ar,\n"
+)
+
+
+def _indent(lines: str, spaces: int) -> str:
+    return "".join(" " * spaces + line + "\n" for line in lines.splitlines())
 
 
 EDITS = (
-    Edit(
-        _MODEL,
-        "from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention\n",
-        "",
-    ),
     insert_before(
         _MODEL,
         "from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention\n",
-        "from <<kimi_k3_attention_factory>> import (\n"
+        "from <<is_dsa_model>> import is_dsa_model\n"
+        "from <<KimiK3DSAAttention>> import KimiK3DSAAttention\n"
+        "from <<make_dsa_model_state>> import (\n"
         "    attach_dsa_model_state,\n"
-        "    dsa_model_scope,\n"
-        "    kimi_k3_attention_factory,\n"
+        "    make_dsa_model_state,\n"
         ")\n",
     ),
+    insert_after(
+        _MODEL,
+        "from vllm.utils.torch_utils import aux_stream, is_meta_module\n",
+        "from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder\n",
+    ),
+    # KimiDecoderLayer takes the model's buffer and builder ...
     Edit(
         _MODEL,
-        "            self.self_attn = MultiHeadLatentAttention(\n",
-        "            # Dense MLA, or KimiK3DSAAttention when config.dsa_config is set.\n"
-        "            self.self_attn = kimi_k3_attention_factory(\n",
+        "        aux_stream: torch.cuda.Stream | None = None,\n"
+        "        run_gemm_rs_ar: bool = False,\n"
+        "    ) -> None:\n"
+        "        super().__init__()\n"
+        "        self.hidden_size = config.hidden_size\n",
+        "        aux_stream: torch.cuda.Stream | None = None,\n"
+        "        run_gemm_rs_ar: bool = False,\n"
+        "        topk_indices_buffer: torch.Tensor | None = None,\n"
+        "        index_group_builder: SparseMLAIndexGroupBuilder | None = None,\n"
+        "    ) -> None:\n"
+        "        super().__init__()\n"
+        "        self.hidden_size = config.hidden_size\n",
+    ),
+    # ... and hands them to the DSA layer it builds with dsa_config.
+    Edit(
+        _MODEL,
+        "            self.self_attn = MultiHeadLatentAttention(\n"
+        + _indent(_DENSE_MLA_ARGS, 16)
+        + "            )\n",
+        "            if is_dsa_model(config):\n"
+        "                # Kimi K3.1: an indexer selects the top-k tokens sparse MLA\n"
+        "                # reads; every DSA layer writes the model's top-k buffer.\n"
+        "                self.self_attn = KimiK3DSAAttention(\n"
+        "                    config,\n"
+        "                    self.hidden_size,\n"
+        "                    config.num_attention_heads,\n"
+        "                    qk_nope_head_dim,\n"
+        "                    qk_rope_head_dim,\n"
+        "                    v_head_dim,\n"
+        "                    config.q_lora_rank,\n"
+        "                    kv_lora_rank,\n"
+        "                    cache_config=cache_config,\n"
+        "                    quant_config=quant_config,\n"
+        '                    prefix=f"{prefix}.self_attn",\n'
+        "                    aux_stream=aux_stream,\n"
+        "                    topk_indices_buffer=topk_indices_buffer,\n"
+        "                    index_group_builder=index_group_builder,\n"
+        "                )\n"
+        "            else:\n"
+        "                self.self_attn = MultiHeadLatentAttention(\n"
+        + _indent(_DENSE_MLA_ARGS, 20)
+        + "                )\n",
     ),
     Edit(
         _MODEL,
-        "    supports_aux_hidden_states_over_pp = True\n"
+        "        aux_stream = torch.cuda.Stream()\n"
         "\n"
-        '    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):\n'
-        "        super().__init__()\n",
-        "    supports_aux_hidden_states_over_pp = True\n"
-        "\n" + _scoped_init("        super().__init__()\n"),
+        "        def get_layer(prefix: str):\n"
+        "            return KimiDecoderLayer(\n"
+        "                config,\n"
+        "                vllm_config,\n"
+        "                prefix,\n"
+        "                aux_stream=aux_stream,\n"
+        "                run_gemm_rs_ar=self.run_gemm_rs_ar,\n"
+        "            )\n",
+        "        aux_stream = torch.cuda.Stream()\n"
+        + _MAKE_STATE.format(i="        ")
+        + "\n"
+        "        def get_layer(prefix: str):\n"
+        "            return KimiDecoderLayer(\n"
+        "                config,\n"
+        "                vllm_config,\n"
+        "                prefix,\n"
+        "                aux_stream=aux_stream,\n"
+        "                run_gemm_rs_ar=self.run_gemm_rs_ar,\n"
+        "                topk_indices_buffer=topk_indices_buffer,\n"
+        "                index_group_builder=index_group_builder,\n"
+        "            )\n",
     ),
-    Edit(
-        _MTP,
-        "class KimiK3MultiTokenPredictor(nn.Module):\n"
-        '    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):\n'
-        "        super().__init__()\n",
-        "class KimiK3MultiTokenPredictor(nn.Module):\n"
-        + _scoped_init("        super().__init__()\n"),
-    ),
+    # The MTP block is a KimiDecoderLayer too, with the draft model's state.
     insert_before(
         _MTP,
         "from vllm.sequence import IntermediateTensors\n",
-        "from <<dsa_model_scope>> import (\n"
+        "from <<make_dsa_model_state>> import (\n"
         "    attach_dsa_model_state,\n"
-        "    dsa_model_scope,\n"
+        "    make_dsa_model_state,\n"
         ")\n",
+    ),
+    insert_after(
+        _MTP,
+        "from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig\n",
+        "from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder\n",
+    ),
+    Edit(
+        _MTP,
+        "        vllm_config: VllmConfig,\n"
+        "        prefix: str,\n"
+        "    ) -> None:\n"
+        "        super().__init__()\n"
+        "        self.config = config\n"
+        "        quant_config = vllm_config.quant_config\n",
+        "        vllm_config: VllmConfig,\n"
+        "        prefix: str,\n"
+        "        topk_indices_buffer: torch.Tensor | None = None,\n"
+        "        index_group_builder: SparseMLAIndexGroupBuilder | None = None,\n"
+        "    ) -> None:\n"
+        "        super().__init__()\n"
+        "        self.config = config\n"
+        "        quant_config = vllm_config.quant_config\n",
+    ),
+    Edit(
+        _MTP,
+        "        self.mtp_block = KimiDecoderLayer(\n"
+        "            block_config, vllm_config, prefix=prefix, aux_stream=aux_stream\n"
+        "        )\n",
+        "        self.mtp_block = KimiDecoderLayer(\n"
+        "            block_config,\n"
+        "            vllm_config,\n"
+        "            prefix=prefix,\n"
+        "            aux_stream=aux_stream,\n"
+        "            topk_indices_buffer=topk_indices_buffer,\n"
+        "            index_group_builder=index_group_builder,\n"
+        "        )\n",
+    ),
+    Edit(
+        _MTP,
+        "        self.num_mtp_layers = config.num_nextn_predict_layers\n"
+        "\n"
+        "        self.layers = torch.nn.ModuleDict(\n"
+        "            {\n"
+        "                str(idx): KimiK3MultiTokenPredictorLayer(\n"
+        '                    config, vllm_config, f"{prefix}.layers.{idx}"\n'
+        "                )\n",
+        "        self.num_mtp_layers = config.num_nextn_predict_layers\n"
+        + _MAKE_STATE.format(i="        ")
+        + "\n"
+        "        self.layers = torch.nn.ModuleDict(\n"
+        "            {\n"
+        "                str(idx): KimiK3MultiTokenPredictorLayer(\n"
+        "                    config,\n"
+        "                    vllm_config,\n"
+        '                    f"{prefix}.layers.{idx}",\n'
+        "                    topk_indices_buffer=topk_indices_buffer,\n"
+        "                    index_group_builder=index_group_builder,\n"
+        "                )\n",
     ),
 )

@@ -23,26 +23,32 @@ Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
                          ``fp8_ds_mla`` in the Kimi K3 verifier; the MTP
                          draft's refuses a checkpoint without MTP layers
 ``block_size``           ``platforms/interface.py``
-                         ``Platform._align_hybrid_block_size`` -> for a
-                         KDA-hybrid DSA model the block is
-                         ``packed_dsa_block_size`` (MLA 656 B + indexer +
-                         draft pages per token; a row holds its KDA states;
-                         TP-divisible)
-``kernel_block_split``   ``v1/worker/utils.py``
+                         ``Platform._align_hybrid_block_size`` -> first ask
+                         the model class's optional ``get_hybrid_block_size``
+                         hook (states then unpadded); the Kimi K3 classes
+                         return ``packed_dsa_block_size`` for a KDA-hybrid
+                         DSA model (MLA 656 B + indexer + draft pages per
+                         token; a row holds its KDA states; TP-divisible)
+``kernel_block_split``   ``v1/attention/backend.py`` ``AttentionBackend``,
+                         ``v1/worker/utils.py``
                          ``AttentionGroup.map_kv_cache_to_kernel_blocks`` ->
-                         split the packed row into 64-token kernel pages for
-                         the Kimi K3.1 indexer cache (slots from the block
-                         table) and, where FlashMLA sparse reads such pages,
-                         its MLA cache
-``mla_page_slots``       ``v1/worker/gpu_model_runner.py``
-                         ``GPUModelRunner._get_slot_mappings`` -> a split MLA
-                         cache's slots address its kernel pages
+                         a backend capability,
+                         ``token_cache_kernel_page_slots`` (``"builder"`` /
+                         ``"runner"``): the runner splits a packed row of a
+                         token cache into kernel pages when the backend
+                         writes it at kernel-page slots (the Kimi K3.1
+                         indexer and DSA MLA backends declare it)
+``mla_page_slots``       ``v1/worker/gpu/block_table.py``,
+                         ``gpu/model_runner.py`` (V2) and
+                         ``gpu_model_runner.py`` (V1) -> the slots of split
+                         groups whose backend says ``"runner"`` address
+                         their kernel pages
 ``dsa_layers``           ``models/kimi_k3/nvidia/model.py``
-                         ``KimiDecoderLayer`` full-attention branch,
-                         ``KimiLinearModel.__init__``; ``mtp.py``
-                         ``KimiK3MultiTokenPredictor.__init__`` -> build
-                         ``KimiK3DSAAttention`` when ``dsa_config``; one
-                         model-level top-k buffer + index-group builder
+                         ``KimiDecoderLayer``, ``KimiLinearModel.__init__``;
+                         ``mtp.py`` MTP predictor and layer -> build
+                         ``KimiK3DSAAttention`` when ``dsa_config``, with the
+                         model-level top-k buffer and index-group builder
+                         passed to each layer's constructor
 ``dsa_weights``          ``model.py`` ``KimiLinearModel.load_weights``;
                          ``mtp.py`` ``KimiK3MTP.load_weights`` -> indexer
                          renames/stacking (fp8 ``wq_b``/``wk`` scales or
@@ -68,13 +74,15 @@ Patch module             Remove when vLLM ...
 ``envs``                 lists the ``VLLM_KIMI_K3_DSA_*`` variables in
                          ``envs.environment_variables``
 ``config_verifier``      verifies DSA models in its Kimi K3 verifier
-``block_size``           sizes a packed DSA row (MLA + indexer + draft pages,
-                         its KDA states) in ``_align_hybrid_block_size``
-``kernel_block_split``   lets a backend whose token cache is written at
-                         kernel-page slots split a packed row
+``block_size``           asks a model-class hook for the hybrid block size
+                         in ``_align_hybrid_block_size`` and the Kimi K3
+                         classes size the packed DSA row there
+``kernel_block_split``   has ``token_cache_kernel_page_slots`` (or another
+                         way for a backend to have a packed token cache
+                         split into kernel pages)
 ``mla_page_slots``       computes kernel-page slots for split token caches
 ``dsa_layers``           builds ``KimiK3DSAAttention`` in Kimi K3's decoder
-                         and MTP layers, with one model-level top-k buffer
+                         and MTP layers, passing one model-level top-k buffer
 ``dsa_weights``          loads the indexer checkpoint names in Kimi K3's
                          ``load_weights`` (target and MTP)
 ``dsa_post_load``        packs the DSA projections after loading

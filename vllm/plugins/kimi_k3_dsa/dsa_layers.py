@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Seam: Kimi K3's decoder builds DSA layers for a checkpoint with
-``dsa_config``, all sharing one model-level top-k buffer and index-group
-builder.
+``dsa_config``, each given the model-level top-k buffer and index-group
+builder explicitly.
 
 Upstream target: ``vllm/models/kimi_k3/nvidia/model.py``: the full-attention
 branch of ``KimiDecoderLayer.__init__`` (the ``MultiHeadLatentAttention(...)``
-call) and ``KimiLinearModel.__init__``; ``vllm/models/kimi_k3/nvidia/mtp.py``
-``KimiK3MultiTokenPredictor.__init__`` (its MTP block is a
+call), ``KimiLinearModel.__init__`` (its ``get_layer``);
+``vllm/models/kimi_k3/nvidia/mtp.py``: ``KimiK3MultiTokenPredictor.__init__``
+and ``KimiK3MultiTokenPredictorLayer.__init__`` (its MTP block is a
 ``KimiDecoderLayer`` too).
 
 Why: 0.33.0 builds dense MLA at every full-attention layer and has no
@@ -14,44 +16,144 @@ Why: 0.33.0 builds dense MLA at every full-attention layer and has no
 full-attention layer and at the MTP layer (KDA layers untouched; plain Kimi K3
 keeps dense MLA), and, as DeepSeek V3.2's model does, one int32
 ``[max_num_batched_tokens + DCP slack, index_topk]`` buffer and one
-``SparseMLAIndexGroupBuilder`` per model, kept on the model where vLLM's MTP
-proposer finds the target's buffer and shares it with the draft.
+``SparseMLAIndexGroupBuilder`` per model
+(:func:`~vllm.models.kimi_k3.nvidia.dsa_model.make_dsa_model_state`), kept on
+the model where vLLM's MTP proposer finds the target's buffer.
 
-How: ``KimiDecoderLayer`` looks ``MultiHeadLatentAttention`` up in its module
-globals when it builds a layer, so that name is rebound to
-:func:`~vllm.models.kimi_k3.nvidia.dsa_model.kimi_k3_attention_factory` (dense
-MLA unless ``dsa_config``); the model ``__init__``s run inside
-:func:`~vllm.models.kimi_k3.nvidia.dsa_model.dsa_model_scope`, which hands the
-model's shared buffer and builder to the factory and leaves them on the model
-(and renames the checkpoint's ``indexer.wq_b`` paths in the quantization
-config's layer lists to ``dsa_indexer.wq_index``). Applied when the module is
-first imported.
+In-tree edit: ``KimiLinearModel.__init__`` and
+``KimiK3MultiTokenPredictor.__init__`` call ``make_dsa_model_state`` before
+they build their layers and pass ``topk_indices_buffer=`` and
+``index_group_builder=`` down through ``KimiDecoderLayer`` (and
+``KimiK3MultiTokenPredictorLayer``), whose full-attention branch builds
+``KimiK3DSAAttention(..., topk_indices_buffer=, index_group_builder=)`` when
+``config.dsa_config`` is set; the model keeps the state
+(``attach_dsa_model_state``).
 
-In-tree edit: in ``KimiLinearModel.__init__`` allocate the buffer and builder
-(:func:`make_dsa_model_state`) and pass them through ``get_layer`` to
-``KimiDecoderLayer``, whose full-attention branch builds
-``KimiK3DSAAttention(..., topk_indices_buffer=, aux_stream=,
-index_group_builder=)`` when ``config.dsa_config`` is set; the same in
-``KimiK3MultiTokenPredictor.__init__`` for the MTP block.
+Overlay only: 0.33.0's unmodified ``KimiDecoderLayer`` takes no such
+arguments, so this seam reaches it with the smallest mechanism that does: the
+model ``__init__`` makes the state and holds it in a context variable while
+the original body runs, and the name ``MultiHeadLatentAttention``, which
+``KimiDecoderLayer`` looks up in its module globals, is rebound to
+:func:`kimi_k3_attention_factory`, which reads it. The in-tree form has
+neither the context variable nor the factory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
 
 from vllm.plugins.kimi_k3_dsa._on_import import on_import
+
+if TYPE_CHECKING:
+    from vllm.models.kimi_k3.nvidia.dsa_model import DSAModelState
 
 MODEL_MODULE = "vllm.models.kimi_k3.nvidia.model"
 MTP_MODULE = "vllm.models.kimi_k3.nvidia.mtp"
 _MARK = "_kimi_k3_dsa_scope"
 
+# The state of the model whose __init__ is running (overlay only).
+_BUILDING: contextvars.ContextVar[DSAModelState | None] = contextvars.ContextVar(
+    "kimi_k3_dsa_model_state", default=None
+)
+
+
+@contextlib.contextmanager
+def _building(state: DSAModelState | None) -> Iterator[None]:
+    token = _BUILDING.set(state)
+    try:
+        yield
+    finally:
+        _BUILDING.reset(token)
+
+
+def kimi_k3_attention_factory(
+    config: Any,
+    hidden_size: int,
+    num_heads: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+    q_lora_rank: int | None,
+    kv_lora_rank: int,
+    use_output_gate: bool = False,
+    cache_config: Any = None,
+    quant_config: Any = None,
+    prefix: str = "",
+    aux_stream: Any = None,
+    run_gemm_rs_ar: bool = False,
+    **kwargs: Any,
+) -> nn.Module:
+    """Stands for ``KimiDecoderLayer``'s full-attention branch (overlay
+    only): Kimi K3's dense ``MultiHeadLatentAttention`` without
+    ``dsa_config``, ``KimiK3DSAAttention`` with it, given the state of the
+    model being built."""
+    from vllm.models.kimi_k3.common.dsa_config import is_dsa_model
+    from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
+
+    if not is_dsa_model(config):
+        return MultiHeadLatentAttention(
+            config=config,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            qk_nope_head_dim=qk_nope_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=v_head_dim,
+            q_lora_rank=q_lora_rank,
+            kv_lora_rank=kv_lora_rank,
+            use_output_gate=use_output_gate,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            prefix=prefix,
+            aux_stream=aux_stream,
+            run_gemm_rs_ar=run_gemm_rs_ar,
+            **kwargs,
+        )
+    from vllm.models.kimi_k3.nvidia.dsa import KimiK3DSAAttention
+
+    if kwargs:
+        raise TypeError(
+            f"Kimi K3.1 DSA layer {prefix}: unsupported MLA arguments {sorted(kwargs)}"
+        )
+    if bool(use_output_gate) != bool(config.mla_use_output_gate):
+        raise ValueError(
+            f"Kimi K3.1 DSA layer {prefix}: use_output_gate={use_output_gate} "
+            f"disagrees with mla_use_output_gate={config.mla_use_output_gate}"
+        )
+    # run_gemm_rs_ar: the DSA layer keeps the standard o_proj (the decoder
+    # layer turns its reduction off under sequence parallelism and
+    # reduce-scatters the full-length output itself).
+    state = _BUILDING.get()
+    # Outside a model __init__ (a host that builds KimiDecoderLayer directly)
+    # the layer gets no buffer, allocates a per-layer fallback and warns.
+    return KimiK3DSAAttention(
+        config,
+        hidden_size,
+        num_heads,
+        qk_nope_head_dim,
+        qk_rope_head_dim,
+        v_head_dim,
+        q_lora_rank,
+        kv_lora_rank,
+        cache_config=cache_config,
+        quant_config=quant_config,
+        prefix=prefix,
+        aux_stream=aux_stream,
+        topk_indices_buffer=None if state is None else state.topk_indices_buffer,
+        index_group_builder=None if state is None else state.index_group_builder,
+    )
+
 
 def _wrap_init(cls: type) -> None:
     from vllm.models.kimi_k3.nvidia.dsa_model import (
         attach_dsa_model_state,
-        dsa_model_scope,
+        make_dsa_model_state,
     )
 
     original = cls.__init__
@@ -60,7 +162,8 @@ def _wrap_init(cls: type) -> None:
 
     @functools.wraps(original)
     def __init__(self, *args: Any, vllm_config: Any, **kwargs: Any) -> None:
-        with dsa_model_scope(vllm_config) as state:
+        state = make_dsa_model_state(vllm_config)
+        with _building(state):
             original(self, *args, vllm_config=vllm_config, **kwargs)
         attach_dsa_model_state(self, state)
 
@@ -69,8 +172,6 @@ def _wrap_init(cls: type) -> None:
 
 
 def _patch_model(module: ModuleType) -> None:
-    from vllm.models.kimi_k3.nvidia.dsa_model import kimi_k3_attention_factory
-
     module.MultiHeadLatentAttention = kimi_k3_attention_factory
     _wrap_init(module.KimiLinearModel)
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Seam: the slots of a split Kimi K3.1 MLA cache address its kernel pages,
-under both of vLLM 0.33.0's model runners.
+"""Seam: the slots of a split token cache whose backend takes them from the
+runner address its kernel pages, under both of vLLM 0.33.0's model runners.
 
 Upstream targets:
 
@@ -11,9 +11,12 @@ Upstream targets:
 * the V1 runner: ``vllm/v1/worker/gpu_model_runner.py``,
   ``GPUModelRunner._get_slot_mappings``.
 
-Why: where FlashMLA sparse reads the ``fp8_ds_mla`` cache in 64-token kernel
-pages (SM10x, or SM90 with ``VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES=1``), the
-runner splits the packed row's MLA pages (``kernel_block_split``) and hands
+Why: a backend that declares ``token_cache_kernel_page_slots = "runner"``
+(``kernel_block_split``) writes at its group's slot mapping; Kimi K3.1's
+``KimiK3FlashMLASparseBackend`` does, where FlashMLA sparse reads the
+``fp8_ds_mla`` cache in 64-token kernel pages (SM10x, or SM90 with
+``VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES=1``). There the runner splits the packed
+row's MLA pages (``kernel_block_split``) and hands
 the builders the kernel block table, whose page ``j`` of block ``b`` is
 ``b * kernel_block_stride + j``. The KV insert (upstream's, and our fused
 prologue's) writes at the group's slot mapping, which 0.33.0 computes in
@@ -27,10 +30,14 @@ V2, the speculators' draft steps, which compute their slots through the same
 ``BlockTables``. The indexer of the same group derives its own slots from the
 kernel block table and reads these only for their -1s, which stay -1.
 
+The runner finds those groups by asking each attention group's backend for
+the capability, never by a model's type.
+
 In-tree edits: V2's ``initialize_kv_cache``, once the caches are bound,
 records on its ``BlockTables`` which groups' slots address kernel pages
-(``configure_block_tables``), and ``compute_slot_mappings`` remaps those rows
-of the mappings it computed (``remap_slot_mapping_rows``); in V1's
+(``configure_block_tables``: the split groups whose backend says
+``"runner"``), and ``compute_slot_mappings`` remaps those rows of the
+mappings it computed (``remap_slot_mapping_rows``); in V1's
 ``_get_slot_mappings``, right after the per-group slot mappings are built,
 ``remap_slot_mappings(self, slot_mappings_by_gid)``
 (:mod:`vllm.models.kimi_k3.common.dsa_slot_mappings`).
@@ -48,7 +55,7 @@ from vllm.models.kimi_k3.common.dsa_slot_mappings import (
     configure_block_tables,
     remap_slot_mapping_rows,
     remap_slot_mappings,
-    split_mla_groups,
+    runner_kernel_page_groups,
 )
 
 __all__ = [
@@ -56,7 +63,7 @@ __all__ = [
     "configure_block_tables",
     "remap_slot_mapping_rows",
     "remap_slot_mappings",
-    "split_mla_groups",
+    "runner_kernel_page_groups",
 ]
 
 _MARK = "_kimi_k3_dsa_page_slots"

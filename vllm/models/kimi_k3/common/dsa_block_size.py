@@ -21,10 +21,10 @@ import torch
 from vllm.logger import init_logger
 from vllm.models.kimi_k3.common.dsa_cache import (
     is_kda_hybrid_dsa,
-    is_kimi_k3_dsa_backend,
     mla_page_bytes_per_token,
     packed_dsa_block_size,
 )
+from vllm.models.kimi_k3.common.dsa_pages import token_cache_kernel_page_slots
 from vllm.models.kimi_k3.common.dsa_verify import check_dsa_pcp
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import (
@@ -146,9 +146,10 @@ def check_token_cache_splits(
     """Refuse, before the KV cache is allocated, a packed block that a backend
     other than ours would have to split into kernel pages.
 
-    Our caches are written at kernel-page slots when split (the indexer's from
-    the kernel block table, the DSA layers' MLA cache through the
-    ``mla_page_slots`` seam), so they may be. Any other token cache (for
+    Caches whose backend declares ``token_cache_kernel_page_slots`` (ours:
+    the indexer's slots come from the kernel block table, the DSA layers' MLA
+    cache's from the runner) are written at kernel-page slots when split, so
+    they may be. Any other token cache (for
     example a draft's MLA cache under another backend) is written through
     manager-block slots, so 0.33.0's runner would refuse the split when the
     cache is bound, with advice (a smaller ``--block-size``, a layer-compact
@@ -168,7 +169,8 @@ def check_token_cache_splits(
         state_content_bytes=target_mla_bytes_per_token(vllm_config),
     )
     for backend in backends:
-        if is_kimi_k3_dsa_backend(backend) or not backend.is_mla():
+        # A backend that writes at kernel-page slots may be split.
+        if token_cache_kernel_page_slots(backend) is not None or not backend.is_mla():
             continue
         sizes = backend.get_supported_kernel_block_sizes(mla_spec)
         if any(isinstance(size, MultipleOf) for size in sizes) or block_size in sizes:
@@ -223,4 +225,37 @@ def apply_packed_dsa_block_size(
     if cache_config.mamba_cache_mode == "align":
         cache_config.mamba_block_size = block_size
     logger.info("Kimi-K3.1 DSA: packed KV cache block size %d tokens.", block_size)
+    return block_size
+
+
+def packed_hybrid_block_size(
+    vllm_config: VllmConfig, backend_classes: list[Any]
+) -> int | None:
+    """The Kimi K3 model classes' ``get_hybrid_block_size`` hook, which the
+    platform's ``_align_hybrid_block_size`` asks before its own rule: the
+    packed DSA row's block size for a KDA-hybrid DSA model (applied to
+    ``cache_config`` by :func:`apply_packed_dsa_block_size`), None (the
+    platform's rule) for any other model.
+
+    ``backend_classes`` are the model's attention backends; a packed block
+    that one of them would have to split without writing at kernel-page
+    slots is refused here (:func:`check_token_cache_splits`), before the KV
+    cache is allocated.
+    """
+    if not is_kda_hybrid_dsa(vllm_config):
+        return None
+    from vllm.model_executor.layers.mamba.abstract import (
+        get_mamba_prefill_checkpoint_alignment,
+    )
+
+    checkpoint = (
+        get_mamba_prefill_checkpoint_alignment(vllm_config)
+        if vllm_config.cache_config.mamba_cache_mode == "align"
+        else None
+    )
+    block_size = apply_packed_dsa_block_size(
+        vllm_config, backend_kernel_block_alignments(backend_classes), checkpoint
+    )
+    assert block_size is not None
+    check_token_cache_splits(vllm_config, backend_classes, block_size)
     return block_size

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -33,6 +33,10 @@ from vllm.models.kimi_k3.common import dsa_formats
 from vllm.models.kimi_k3.common.dsa_config import check_mxfp4_indexer
 from vllm.models.kimi_k3.common.dsa_envs import mla_kernel_pages_forced
 from vllm.models.kimi_k3.common.dsa_formats import MLA_KERNEL_PAGE_TOKENS
+from vllm.models.kimi_k3.common.dsa_pages import (
+    SLOTS_FROM_BUILDER,
+    SLOTS_FROM_RUNNER,
+)
 from vllm.models.kimi_k3.common.dsa_verify import check_dsa_pcp
 from vllm.utils.math_utils import cdiv, round_up
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
@@ -349,7 +353,13 @@ class KimiK3IndexerBackend(DeepseekV32IndexerBackend):
     indexer pages sit beside the MLA latent pages inside each block row (and
     the KDA states beside them in their groups), which is the row
     :func:`packed_dsa_block_size` sizes.
+
+    Its builder writes the keys at slots derived from the kernel block table,
+    so the runner may split the packed row into kernel pages
+    (``token_cache_kernel_page_slots``).
     """
+
+    token_cache_kernel_page_slots: ClassVar[str | None] = SLOTS_FROM_BUILDER
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
@@ -440,6 +450,10 @@ class KimiK3FlashMLASparseBackend(FlashMLASparseBackend):
     same pages.
     """
 
+    # The runner hands this backend's group kernel-page slots when it split
+    # the MLA cache, so the packed row may be split.
+    token_cache_kernel_page_slots: ClassVar[str | None] = SLOTS_FROM_RUNNER
+
     @staticmethod
     def get_builder_cls() -> type[KimiK3FlashMLASparseMetadataBuilder]:
         return KimiK3FlashMLASparseMetadataBuilder
@@ -449,11 +463,3 @@ class KimiK3FlashMLASparseBackend(FlashMLASparseBackend):
         if mla_kernel_pages_forced():
             return [MLA_KERNEL_PAGE_TOKENS]
         return FlashMLASparseBackend.get_supported_kernel_block_sizes(kv_cache_spec)
-
-
-def is_kimi_k3_dsa_backend(backend: Any) -> bool:
-    """Whether an attention backend class writes one of our packed caches
-    through slots that address kernel pages (so the runner may split it)."""
-    return isinstance(backend, type) and issubclass(
-        backend, (KimiK3IndexerBackend, KimiK3FlashMLASparseBackend)
-    )

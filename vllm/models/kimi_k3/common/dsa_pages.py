@@ -13,6 +13,31 @@ from __future__ import annotations
 
 import torch
 
+# The attention-backend capability the runner asks before it splits a packed
+# row of a token cache (one state per token) into kernel pages: a class
+# attribute, None by default (the split is refused: such caches are written
+# through manager-block slots), or who puts the writes at kernel-page slots.
+TOKEN_CACHE_KERNEL_PAGE_SLOTS = "token_cache_kernel_page_slots"
+# The backend's metadata builder derives its write slots from the kernel block
+# table it is handed (as the compressed caches are written).
+SLOTS_FROM_BUILDER = "builder"
+# The runner hands the backend's KV cache group its slot mapping in kernel
+# pages (``kernel_page_slots``), for an insert that writes at the group's slots.
+SLOTS_FROM_RUNNER = "runner"
+
+
+def token_cache_kernel_page_slots(backend: object) -> str | None:
+    """A backend class's :data:`TOKEN_CACHE_KERNEL_PAGE_SLOTS` capability
+    (None for a backend that does not declare it, or for no backend)."""
+    value = getattr(backend, TOKEN_CACHE_KERNEL_PAGE_SLOTS, None)
+    if value not in (None, SLOTS_FROM_BUILDER, SLOTS_FROM_RUNNER):
+        raise ValueError(
+            f"{getattr(backend, '__name__', backend)}.{TOKEN_CACHE_KERNEL_PAGE_SLOTS}"
+            f" is {value!r}; accepted: None, {SLOTS_FROM_BUILDER!r}, "
+            f"{SLOTS_FROM_RUNNER!r}"
+        )
+    return value
+
 
 def split_packed_rows_into_kernel_pages(
     kv_cache: torch.Tensor, kernel_rows: int

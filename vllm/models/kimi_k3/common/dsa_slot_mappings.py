@@ -1,14 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The runner's slot mappings of a split Kimi K3.1 MLA cache, in kernel pages.
+"""The runner's slot mappings of a split token cache, in kernel pages.
 
-Where FlashMLA sparse reads the ``fp8_ds_mla`` cache in 64-token kernel pages
-(SM10x, or SM90 with ``VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES=1``), the runner
-splits the packed row's MLA pages and hands the builders the kernel block
-table, whose page ``j`` of block ``b`` is ``b * kernel_block_stride + j``. The
-KV insert writes at the group's slot mapping, which vLLM computes in manager
-blocks (``b * block_size + o``); in a packed row the two disagree, so the
-group's slots are turned into kernel-page slots (:func:`kernel_page_slots`)
-once per step, before the metadata and the forward context read them.
+A backend whose token cache the runner may split into kernel pages because
+the runner hands it kernel-page slots declares so
+(``token_cache_kernel_page_slots = "runner"``, :mod:`.dsa_pages`): Kimi
+K3.1's FlashMLA sparse subclass, where FlashMLA sparse reads the
+``fp8_ds_mla`` cache in 64-token kernel pages (SM10x, or SM90 with
+``VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES=1``). Once the runner split such a cache,
+it hands the builders the kernel block table, whose page ``j`` of block ``b``
+is ``b * kernel_block_stride + j``, while the KV insert writes at the group's
+slot mapping, which vLLM computes in manager blocks (``b * block_size + o``);
+in a packed row the two disagree, so the group's slots are turned into
+kernel-page slots (:func:`kernel_page_slots`) once per step, before the
+metadata and the forward context read them. The runner asks the backend,
+never a model's type.
 
 Both of vLLM 0.33.0's model runners need it, at different places:
 
@@ -30,11 +35,16 @@ from typing import Any
 
 import torch
 
-from vllm.models.kimi_k3.common.dsa_pages import kernel_page_slots
+from vllm.models.kimi_k3.common.dsa_pages import (
+    SLOTS_FROM_RUNNER,
+    kernel_page_slots,
+    token_cache_kernel_page_slots,
+)
 
-_BUFFERS = "_kimi_k3_dsa_page_slot_buffers"
+# The V1 runner's persistent buffers of remapped slots, per group.
+_BUFFERS = "_kernel_page_slot_buffers"
 # Where Model Runner V2's BlockTables keep the groups whose slots they remap.
-BLOCK_TABLES_ATTR = "kimi_k3_dsa_kernel_page_groups"
+BLOCK_TABLES_ATTR = "kernel_page_slot_groups"
 
 
 @dataclass(frozen=True)
@@ -53,24 +63,14 @@ class KernelPageSlots:
 
 def kernel_page_slot_groups(attn_groups: Iterable[Any]) -> dict[int, KernelPageSlots]:
     """KV cache group id -> its kernel-page addressing, for every attention
-    group of the Kimi K3.1 MLA backend whose cache the runner split into
-    kernel pages. Returns before importing the cache module when no group is
-    split (any other model)."""
-    split = [
-        group
-        for group in attn_groups
-        if group.kernel_block_size is not None and group.kernel_block_stride
-    ]
-    if not split:
-        return {}
-    from vllm.models.kimi_k3.common.dsa_cache import KimiK3FlashMLASparseBackend
-
+    group whose cache the runner split into kernel pages and whose backend
+    takes its slots from the runner (``token_cache_kernel_page_slots ==
+    "runner"``)."""
     found: dict[int, KernelPageSlots] = {}
-    for group in split:
-        if not (
-            isinstance(group.backend, type)
-            and issubclass(group.backend, KimiK3FlashMLASparseBackend)
-        ):
+    for group in attn_groups:
+        if group.kernel_block_size is None or not group.kernel_block_stride:
+            continue
+        if token_cache_kernel_page_slots(group.backend) != SLOTS_FROM_RUNNER:
             continue
         pages = KernelPageSlots(
             group.kv_cache_spec.block_size,
@@ -79,8 +79,8 @@ def kernel_page_slot_groups(attn_groups: Iterable[Any]) -> dict[int, KernelPageS
         )
         if found.setdefault(group.kv_cache_group_id, pages) != pages:
             raise ValueError(
-                f"KV cache group {group.kv_cache_group_id} has Kimi K3.1 MLA "
-                f"caches split into kernel pages in two ways ({pages} and "
+                f"KV cache group {group.kv_cache_group_id} has caches split "
+                f"into kernel pages in two ways ({pages} and "
                 f"{found[group.kv_cache_group_id]}): one slot mapping cannot "
                 "address both."
             )
@@ -108,16 +108,17 @@ def configure_block_tables(block_tables: Any, attn_groups: Iterable[Any]) -> Non
     for gid in groups:
         if gid >= block_tables.num_kv_cache_groups:
             raise ValueError(
-                f"KV cache group {gid} of a split Kimi K3.1 MLA cache is not "
+                f"KV cache group {gid} of a cache split into kernel pages is not "
                 f"one of the runner's {block_tables.num_kv_cache_groups} block "
                 "tables."
             )
     setattr(block_tables, BLOCK_TABLES_ATTR, groups)
 
 
-def split_mla_groups(runner: Any) -> dict[int, KernelPageSlots]:
-    """V1 runner: KV cache group id -> the kernel-page addressing of its
-    split Kimi K3.1 MLA cache. Runs every step."""
+def runner_kernel_page_groups(runner: Any) -> dict[int, KernelPageSlots]:
+    """V1 runner: KV cache group id -> the kernel-page addressing of the
+    groups whose slots it remaps (:func:`kernel_page_slot_groups`). Runs
+    every step."""
     return kernel_page_slot_groups(
         group
         for groups in getattr(runner, "attn_groups", None) or []
@@ -131,13 +132,13 @@ def remap_slot_mappings(
     by_layer: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]] | None = None,
     ubatch_slices: Any = None,
 ) -> tuple[Any, Any]:
-    """V1 runner: put every split MLA group's slots in kernel pages:
+    """V1 runner: put the slots of every group it remaps in kernel pages:
     ``by_gid`` (the attention metadata's) and, when given, ``by_layer`` (the
     forward context's, per micro-batch when a list) are updated in place with
     the same tensor, a persistent buffer of the runner, and returned."""
     if by_gid is None:
         return by_gid, by_layer
-    split = split_mla_groups(runner)
+    split = runner_kernel_page_groups(runner)
     if not split:
         return by_gid, by_layer
     buffers: dict[int, torch.Tensor] = runner.__dict__.setdefault(_BUFFERS, {})

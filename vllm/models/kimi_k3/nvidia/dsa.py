@@ -48,12 +48,13 @@ from vllm.model_executor.layers.mla import MLAModules, MultiHeadLatentAttentionW
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.rotary_embedding.common import yarn_get_mscale
+from vllm.models.kimi_k3.common.dsa_cache import KimiK3FlashMLASparseBackend
+from vllm.models.kimi_k3.common.dsa_settings import resolve_dsa_settings
 from vllm.models.kimi_k3.nvidia import dsa_fused
 from vllm.models.kimi_k3.nvidia.dsa_indexer import (
     KimiK3DSAIndexer,
     KimiK3DSAIndexerKNorm,
 )
-from vllm.models.kimi_k3.nvidia.dsa_model import make_topk_indices_buffer
 from vllm.models.kimi_k3.nvidia.dsa_ops import (
     dsa_fused_prologue,
     indexer_k_norm_quant_insert,
@@ -69,6 +70,7 @@ from vllm.models.kimi_k3.nvidia.mla import (
 from vllm.platforms import current_platform
 from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 from vllm.utils.multi_stream_utils import maybe_execute_in_parallel
+from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
 
 __all__ = [
     "KimiK3DSAAttention",
@@ -80,6 +82,7 @@ __all__ = [
     "mxfp4_fused_prologue",
     "mxfp4_k_norm_quant_insert",
     "mxfp4_q_quant",
+    "make_topk_indices_buffer",
     "padded_num_heads",
     "use_kimi_k3_mla_backend",
 ]
@@ -90,6 +93,22 @@ logger = init_logger(__name__)
 def padded_num_heads(num_heads: int, tp_size: int) -> int:
     """``num_heads`` rounded up to a multiple of ``tp_size``."""
     return (num_heads + tp_size - 1) // tp_size * tp_size
+
+
+def make_topk_indices_buffer(
+    vllm_config: VllmConfig, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The int32 ``[rows, index_topk]`` top-k buffer every DSA layer of a
+    model shares: its indexer writes it, its sparse MLA reads it. The model
+    allocates one and passes it to each layer (``topk_indices_buffer=``)."""
+    settings = resolve_dsa_settings(vllm_config)
+    if device is None:
+        device = current_platform.device_type or "cpu"
+    return torch.empty(
+        (settings.topk_buffer_rows, settings.index_topk),
+        dtype=torch.int32,
+        device=device,
+    )
 
 
 def _accepts_kwarg(fn: Any, name: str) -> bool:
@@ -484,8 +503,5 @@ def use_kimi_k3_mla_backend(attn: Any) -> None:
     """Give a DSA layer's MLA attention our FlashMLA sparse subclass, so that
     the runner may split the packed row's MLA pages into kernel pages (and
     remaps their slots); any other backend is left alone."""
-    from vllm.models.kimi_k3.common.dsa_cache import KimiK3FlashMLASparseBackend
-    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
-
     if getattr(attn, "attn_backend", None) is FlashMLASparseBackend:
         attn.attn_backend = KimiK3FlashMLASparseBackend

@@ -12,7 +12,7 @@ The wrapper forward (upstream ops only) serves every other configuration.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -38,8 +38,8 @@ from vllm.models.kimi_k3.nvidia.dsa_ops import (
 from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.attention.backends.mla import indexer as v32_indexer
 
-if TYPE_CHECKING:
-    from vllm.models.kimi_k3.nvidia.dsa import KimiK3DSAAttention
+# The functions below take a ``KimiK3DSAAttention`` (``layer``), typed as
+# ``nn.Module``: the layer module imports this one, never the reverse.
 
 
 def kimi_k3_extension_available() -> bool:
@@ -59,7 +59,7 @@ def _norm_eps(norm: nn.Module) -> float | None:
     return eps
 
 
-def fused_forward_blockers(layer: KimiK3DSAAttention) -> list[str]:
+def fused_forward_blockers(layer: nn.Module) -> list[str]:
     """Why ``layer`` cannot run the fused forward (empty: it can)."""
     attn = cast(Any, layer.mla_attn.mla_attn)
     indexer = layer.dsa_indexer
@@ -119,7 +119,7 @@ def fused_forward_blockers(layer: KimiK3DSAAttention) -> list[str]:
     return blockers
 
 
-def pack_projections(layer: KimiK3DSAAttention) -> list[torch.Tensor]:
+def pack_projections(layer: nn.Module) -> list[torch.Tensor]:
     """Pack the input and query projections of ``layer`` into one weight
     each, the linears becoming views into them; returns the packed weights."""
     indexer = layer.dsa_indexer
@@ -138,9 +138,7 @@ def pack_projections(layer: KimiK3DSAAttention) -> list[torch.Tensor]:
     return packed_weights
 
 
-def fused_attention(
-    layer: KimiK3DSAAttention, hidden_states: torch.Tensor
-) -> torch.Tensor:
+def fused_attention(layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Packed GEMM, the fused prologue (norms, both cache inserts, top-k
     fill), packed query GEMM, indexer scoring, sparse MLA."""
     assert layer.q_lora_rank is not None and layer._packed is not None

@@ -1,30 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Kimi K3.1 DSA in Kimi K3's model: which layers are DSA, and the model-level
-top-k buffer and index-group builder they share.
+"""Kimi K3.1 DSA in Kimi K3's model: the model-level top-k buffer and
+index-group builder every DSA layer shares, and which layers are DSA.
 
-In a fork this is a handful of edits of ``vllm/models/kimi_k3/nvidia/model.py``
-and ``mtp.py`` (``KimiDecoderLayer`` builds :class:`KimiK3DSAAttention` when the
-text config has ``dsa_config``; ``KimiLinearModel`` allocates one
-``topk_indices_buffer`` and one ``SparseMLAIndexGroupBuilder``). On the
-released 0.33.0 the ``dsa_layers`` seam of ``vllm.plugins.kimi_k3_dsa`` calls
-into this module. The checkpoint side (indexer names, shape checks, the
-post-load packing) is :mod:`vllm.models.kimi_k3.nvidia.dsa_weights`.
+As ``DeepseekV32Model`` does, Kimi K3's ``KimiLinearModel`` (and the MTP
+predictor) allocates one state per model (:func:`make_dsa_model_state`) and
+passes its ``topk_indices_buffer`` and ``index_group_builder`` through
+``KimiDecoderLayer`` to each :class:`KimiK3DSAAttention`; the state is then
+kept on the model (:func:`attach_dsa_model_state`), where vLLM's MTP proposer
+finds the target's buffer. In vLLM's tree those are edits of
+``vllm/models/kimi_k3/nvidia/model.py`` and ``mtp.py``; on the released 0.33.0
+the ``dsa_layers`` seam of ``vllm.plugins.kimi_k3_dsa`` makes them. The
+checkpoint side (indexer names, shape checks, the post-load packing) is
+:mod:`vllm.models.kimi_k3.nvidia.dsa_weights`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from vllm.logger import init_logger
 from vllm.models.kimi_k3.common.dsa_config import is_dsa_model
-from vllm.models.kimi_k3.common.dsa_settings import resolve_dsa_settings
+from vllm.models.kimi_k3.nvidia.dsa import (
+    KimiK3DSAAttention,
+    make_topk_indices_buffer,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -32,28 +34,19 @@ if TYPE_CHECKING:
         SparseMLAIndexGroupBuilder,
     )
 
-logger = init_logger(__name__)
+__all__ = [
+    "DSAModelState",
+    "attach_dsa_model_state",
+    "dsa_attention_layers",
+    "is_dsa_attention",
+    "make_dsa_model_state",
+    "make_topk_indices_buffer",
+    "map_indexer_names_in_quant_config",
+]
 
 # ---------------------------------------------------------------------------
 # Model-level shared state: one top-k buffer, one index-group builder
 # ---------------------------------------------------------------------------
-
-
-def make_topk_indices_buffer(
-    vllm_config: VllmConfig, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """The model-level int32 ``[rows, index_topk]`` top-k buffer every DSA
-    layer's indexer writes and its sparse MLA reads."""
-    settings = resolve_dsa_settings(vllm_config)
-    if device is None:
-        from vllm.platforms import current_platform
-
-        device = current_platform.device_type or "cpu"
-    return torch.empty(
-        (settings.topk_buffer_rows, settings.index_topk),
-        dtype=torch.int32,
-        device=device,
-    )
 
 
 @dataclass
@@ -63,7 +56,6 @@ class DSAModelState:
 
     topk_indices_buffer: torch.Tensor
     index_group_builder: SparseMLAIndexGroupBuilder | None
-    layers: list[str] = field(default_factory=list)
 
 
 # The indexer's name in the checkpoint and in the model's DSA layer.
@@ -96,10 +88,14 @@ def map_indexer_names_in_quant_config(vllm_config: VllmConfig) -> None:
 
 def make_dsa_model_state(vllm_config: VllmConfig) -> DSAModelState | None:
     """The shared state for the model ``vllm_config`` describes, or None when
-    it is not a Kimi K3.1 DSA model."""
+    it is not a Kimi K3.1 DSA model. Called by the model's ``__init__`` before
+    it builds its layers, it also renames the checkpoint's indexer paths in
+    the quantization config (:func:`map_indexer_names_in_quant_config`), which
+    the layers read when they are built."""
     text_config = vllm_config.model_config.hf_text_config
     if not is_dsa_model(text_config):
         return None
+    map_indexer_names_in_quant_config(vllm_config)
     from vllm.v1.attention.backends.mla.index_group import (
         SparseMLAIndexGroupBuilder,
         get_sparse_mla_index_group_max_rows,
@@ -116,32 +112,6 @@ def make_dsa_model_state(vllm_config: VllmConfig) -> DSAModelState | None:
     return DSAModelState(topk_indices_buffer=buffer, index_group_builder=builder)
 
 
-_CURRENT_STATE: contextvars.ContextVar[DSAModelState | None] = contextvars.ContextVar(
-    "kimi_k3_dsa_model_state", default=None
-)
-
-
-def current_dsa_model_state() -> DSAModelState | None:
-    """The shared state of the model being built, if any."""
-    return _CURRENT_STATE.get()
-
-
-@contextlib.contextmanager
-def dsa_model_scope(vllm_config: VllmConfig) -> Iterator[DSAModelState | None]:
-    """While a model's ``__init__`` builds its layers, make its shared DSA
-    state visible to :func:`kimi_k3_attention_factory` (the model-level
-    buffer threaded to each layer, as ``DeepseekV32Model`` does through its
-    ``make_layers`` closure)."""
-    state = make_dsa_model_state(vllm_config)
-    if state is not None:
-        map_indexer_names_in_quant_config(vllm_config)
-    token = _CURRENT_STATE.set(state)
-    try:
-        yield state
-    finally:
-        _CURRENT_STATE.reset(token)
-
-
 def attach_dsa_model_state(model: nn.Module, state: DSAModelState | None) -> None:
     """Keep the shared buffer on the model, where vLLM's MTP proposer looks
     for it (``target.model.topk_indices_buffer``, shared with the draft's
@@ -152,97 +122,8 @@ def attach_dsa_model_state(model: nn.Module, state: DSAModelState | None) -> Non
     model.dsa_index_group_builder = state.index_group_builder
 
 
-# ---------------------------------------------------------------------------
-# Layer construction
-# ---------------------------------------------------------------------------
-
-
-def kimi_k3_attention_factory(
-    config: Any,
-    hidden_size: int,
-    num_heads: int,
-    qk_nope_head_dim: int,
-    qk_rope_head_dim: int,
-    v_head_dim: int,
-    q_lora_rank: int | None,
-    kv_lora_rank: int,
-    use_output_gate: bool = False,
-    cache_config: Any = None,
-    quant_config: Any = None,
-    prefix: str = "",
-    aux_stream: Any = None,
-    run_gemm_rs_ar: bool = False,
-    **kwargs: Any,
-) -> nn.Module:
-    """Stands for ``KimiDecoderLayer``'s full-attention branch: Kimi K3's dense
-    ``MultiHeadLatentAttention`` without ``dsa_config``, ``KimiK3DSAAttention``
-    with it (main model and MTP block alike, both build through
-    ``KimiDecoderLayer``)."""
-    from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
-
-    if not is_dsa_model(config):
-        return MultiHeadLatentAttention(
-            config=config,
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            qk_nope_head_dim=qk_nope_head_dim,
-            qk_rope_head_dim=qk_rope_head_dim,
-            v_head_dim=v_head_dim,
-            q_lora_rank=q_lora_rank,
-            kv_lora_rank=kv_lora_rank,
-            use_output_gate=use_output_gate,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            prefix=prefix,
-            aux_stream=aux_stream,
-            run_gemm_rs_ar=run_gemm_rs_ar,
-            **kwargs,
-        )
-    from vllm.models.kimi_k3.nvidia.dsa import KimiK3DSAAttention
-
-    if kwargs:
-        raise TypeError(
-            f"Kimi K3.1 DSA layer {prefix}: unsupported MLA arguments {sorted(kwargs)}"
-        )
-    if bool(use_output_gate) != bool(config.mla_use_output_gate):
-        raise ValueError(
-            f"Kimi K3.1 DSA layer {prefix}: use_output_gate={use_output_gate} "
-            f"disagrees with mla_use_output_gate={config.mla_use_output_gate}"
-        )
-    # run_gemm_rs_ar: the DSA layer keeps the standard o_proj (the decoder
-    # layer turns its reduction off under sequence parallelism and
-    # reduce-scatters the full-length output itself).
-    state = current_dsa_model_state()
-    extra: dict[str, Any] = {}
-    if state is not None:
-        extra["topk_indices_buffer"] = state.topk_indices_buffer
-        extra["index_group_builder"] = state.index_group_builder
-        state.layers.append(prefix)
-    # Without a model scope (a host that builds KimiDecoderLayer directly) the
-    # layer allocates a per-layer fallback buffer and warns.
-    return KimiK3DSAAttention(
-        config,
-        hidden_size,
-        num_heads,
-        qk_nope_head_dim,
-        qk_rope_head_dim,
-        v_head_dim,
-        q_lora_rank,
-        kv_lora_rank,
-        cache_config=cache_config,
-        quant_config=quant_config,
-        prefix=prefix,
-        aux_stream=aux_stream,
-        **extra,
-    )
-
-
 def is_dsa_attention(module: nn.Module) -> bool:
     """Whether ``module`` is a Kimi K3.1 DSA attention layer."""
-    try:
-        from vllm.models.kimi_k3.nvidia.dsa import KimiK3DSAAttention
-    except ImportError:  # pragma: no cover - the layer module is part of us
-        return False
     return isinstance(module, KimiK3DSAAttention)
 
 
