@@ -15,8 +15,8 @@ one per key format: :func:`dsa_fused_prologue` / :func:`mxfp4_fused_prologue`,
 :func:`indexer_k_norm_quant_insert` / :func:`mxfp4_k_norm_quant_insert`,
 :func:`indexer_q_quant_fold_weights` / :func:`mxfp4_q_quant`. Each pair is one
 kernel, whose entry point takes the format as ``fp4=``. They are loaded on
-first access, so the config code that imports this package's ``shapes`` and
-``formats`` does not load the kernels' modules.
+first access, so importing this package (for ``formats``) does not load the
+kernels' modules.
 
 It is ``nvidia/dsa_ops`` rather than ``nvidia/ops`` because vLLM
 0.33.0 already owns ``vllm/models/kimi_k3/nvidia/ops/`` (``attn_res``): an
