@@ -63,6 +63,7 @@ from dsa_gpu_utils import (
     requires_kernels,
 )
 
+from vllm.models.kimi_k3.common import dsa_formats
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
 from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import dsa_fused_prologue
@@ -168,7 +169,7 @@ def _index_entries(caches: PackedCaches, slots: torch.Tensor) -> torch.Tensor:
 def _mla_entries(caches: PackedCaches) -> torch.Tensor:
     """The ``fp8_ds_mla`` cache as one 656-byte row per slot."""
     n = caches.buf.shape[0]
-    return caches.mla.reshape(n * BLOCK, F.DS_MLA_ENTRY_BYTES)
+    return caches.mla.reshape(n * BLOCK, dsa_formats.DS_MLA_ENTRY_BYTES)
 
 
 def _rank(
