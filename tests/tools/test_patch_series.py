@@ -142,3 +142,24 @@ def test_cmake_target_refuses_a_cmakelists_without_vllms_prelude() -> None:
 
     with pytest.raises(SystemExit, match="FetchContent section"):
         target_cmakelists("cmake_minimum_required(VERSION 3.26)\nproject(x)\n")
+
+
+def test_in_tree_copy_of_a_symlinked_tree_is_a_folder_of_its_own(
+    tmp_path: Path,
+) -> None:
+    from patch_series.in_tree import _fresh_copy, _replace
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "setup.py").write_text("upstream\n")
+    link = tmp_path / "link"
+    link.symlink_to(shared)
+    copy = tmp_path / "applied"
+    copy.symlink_to(shared)  # what an earlier run left behind
+    _fresh_copy(link, copy)
+    assert copy.is_dir() and not copy.is_symlink()
+    patched = tmp_path / "patched.py"
+    patched.write_text("patched\n")
+    _replace(patched, copy / "setup.py")
+    assert (copy / "setup.py").read_text() == "patched\n"
+    assert (shared / "setup.py").read_text() == "upstream\n"

@@ -63,11 +63,16 @@ def _log(msg: str) -> None:
 
 def _fresh_copy(src: Path, dst: Path) -> None:
     """``dst`` becomes a hard-link copy of ``src`` (files are never written
-    through: every file changed later is unlinked and replaced)."""
-    if dst.exists():
+    through: every file changed later is unlinked and replaced). A symlinked
+    ``src`` (an sdist shared between checkouts) is copied as the folder it
+    names: ``cp -a`` of the link itself would make ``dst`` that link, and the
+    series would be applied to the shared folder."""
+    if dst.is_symlink():
+        dst.unlink()
+    elif dst.exists():
         shutil.rmtree(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["cp", "-al", str(src), str(dst)], check=True)
+    subprocess.run(["cp", "-al", str(src.resolve()), str(dst)], check=True)
 
 
 def _replace(src: Path, dst: Path) -> None:
