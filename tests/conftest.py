@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Shared fixtures of the CPU suite, run against the real vLLM 0.33.0 install.
 
 On a machine without a GPU, vLLM's ``current_platform`` is

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Which form of the Kimi K3.1 DSA series the suite runs against.
 
 Overlay: the released vLLM 0.33.0 plus this package, whose plugin

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """vLLM's real configuration path on a checkpoint directory, with the defaults
 the CPU suite uses (no prefix caching, 1024 tokens, no tokenizer)."""
 

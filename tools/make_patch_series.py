@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Generate the upstream form of this repository: a ``git format-patch``
 series against vLLM v0.33.0's source tree (see docs/upstream_series.md).
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The DSA layer benchmark's setup path on the CPU, for a small shape (4 heads
 over hidden 256; the MLA, indexer and top-k dims real) and for the points of
 the GPU command at their real dims, the classifier of its per-stage

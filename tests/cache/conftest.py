@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Fixtures of the DSA KV cache tests, run against the real vLLM 0.33.0.
 
 ``vllm_config_for(**engine_kwargs)`` runs vLLM's real configuration path

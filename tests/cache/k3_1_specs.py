@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The per-layer KV cache specs a Kimi K3.1 worker reports, for the tests that
 drive vLLM 0.33.0's planner with them."""
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Exact byte figures of the Kimi K3.1 DSA caches, against vLLM 0.33.0's own
 spec classes."""
 

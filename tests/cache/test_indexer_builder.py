@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """KimiK3IndexerMetadataBuilder's slot mapping through the runner's own
 kernel-block mapping, the kernel-page split seam, and the PCP refusals.
 

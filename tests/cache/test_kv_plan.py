@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The KV plan command: on the bundled Kimi K3.1 config, its numbers checked
 by an independent computation here, and its errors on bad inputs."""
 

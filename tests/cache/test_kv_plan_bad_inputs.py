@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The KV plan command on bad inputs: every wrong flag or config file is
 refused before any arithmetic, with the engine's own rules (a config ``vllm
 serve`` refuses is never planned), as one line on stderr that names the file

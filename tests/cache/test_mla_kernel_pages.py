@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The MLA cache of Kimi K3.1's packed DSA row in 64-token kernel pages (the
 Blackwell layout, forced on SM90 by ``VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES=1``),
 checked on the CPU against vLLM 0.33.0's planner and allocator: the runner's

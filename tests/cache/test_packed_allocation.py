@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Kimi K3.1's caches through vLLM 0.33.0's real planner and allocator (on the
 CPU), at the packed DSA block size: the plan command counts the planner's
 blocks, and the runner's kernel-page split of our indexer cache addresses

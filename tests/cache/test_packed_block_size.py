@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The packed DSA block size: the rule's claims as checked properties, the
 real packer of vLLM 0.33.0 on our block size, and the block-size seam on the
 real configuration path."""

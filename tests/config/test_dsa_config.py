@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``dsa_config`` parsing, its rules and the Kimi K3 verifier, through vLLM
 0.33.0's real configuration path (``EngineArgs.create_engine_config``) on tiny
 checkpoint directories."""

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The resolved settings of a Kimi K3.1 engine configuration: what vLLM's real
 configuration path accepted, read once (``dsa_settings``)."""
 

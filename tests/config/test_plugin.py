@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The ``vllm.general_plugins`` entry point and the seams it applies."""
 
 from importlib.metadata import entry_points

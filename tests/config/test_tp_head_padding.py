@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A head count that tensor parallelism does not divide cannot be served by
 vLLM 0.33.0, so the DSA layer's head padding (``padded_num_heads`` in
 ``vllm/models/kimi_k3/nvidia/dsa.py``) is unreachable through the engine.

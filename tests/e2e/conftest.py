@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Fixtures of the end-to-end serving tests (``-m gpu``): vLLM 0.33.0 with
 this package on a CUDA GPU, serving the tiny Kimi K3.1 checkpoint.
 

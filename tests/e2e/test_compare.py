@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """CPU checks of how the end-to-end tests compare two engine runs
 (``tiny_serving.compare`` and ``assert_agree``): the rules that decide whether
 a GPU run passes must themselves fail on a wrong model."""

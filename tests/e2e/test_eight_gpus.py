@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Kimi K3.1's attention shape at tensor parallelism 8, end to end (8 GPUs).
 
 NOT RUN YET: written without an 8-GPU host (2026-11-30); only its collection

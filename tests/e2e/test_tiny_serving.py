@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Kimi K3.1 DSA served by vLLM 0.33.0 on one GPU, end to end.
 
 The e2e tiny checkpoint (``tiny_serving.E2E_QUERY_HEADS``) is served through

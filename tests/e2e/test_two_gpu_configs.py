@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The engine configurations of ``test_two_gpus.py``, checked on the CPU
 (no GPU needed): vLLM 0.33.0's configuration path accepts TP2 and DCP2 over
 TP2 for the tiny checkpoints those tests serve, and the rules that would only

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Kimi K3.1 DSA served by vLLM 0.33.0 on two GPUs, end to end.
 
 The tiny checkpoint is served with tensor parallelism 2 (TP2) and with decode

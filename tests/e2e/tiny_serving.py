@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Serve the tiny Kimi K3.1 checkpoint through vLLM and compare the outputs.
 
 Helpers of ``tests/e2e``: run ``vllm.LLM`` on a checkpoint with given engine

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The fused forward's composition equals the unpacked one.
 
 Fused: one GEMM over ``[q_a | kv_a | wk | weights_proj]``, the DSA prologue

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """CPU fixtures for building Kimi K3.1 DSA layers with the real vLLM 0.33.0.
 
 Shared by every test module of ``tests/model/`` (layers, model wiring, weight

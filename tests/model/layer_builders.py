@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Builders of the Kimi K3.1 DSA layer tests (``tests/model`` and its
 ``layers/`` folder): a ``KimiK3DSAAttention`` or a ``KimiK3DSAIndexer`` with the
 model's constructor arguments, on the session's real engine configuration

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Builders of the Kimi K3.1 model tests: the real vLLM 0.33.0 Kimi K3 model
 classes built from the tiny checkpoint's engine configuration, the checkpoint
 read back, and what each parameter must hold after loading.

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The Kimi K3.1 model wiring on the CPU: the real vLLM 0.33.0 Kimi K3 model
 classes (``KimiLinearForCausalLM``, ``KimiK3MTP``) built from the tiny
 checkpoint's real engine configuration, with our general plugin's seams

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """FlashMLA sparse's chunked-context workspace for the DSA layers' MLA group.
 
 vLLM 0.33.0 sizes the workspace from ``cache_config.block_size``, capped at

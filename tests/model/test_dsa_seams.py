@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The model seams of the plugin: applied lazily on first import of the Kimi
 K3 model modules, idempotent, wiring only."""
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The tiny Kimi K3.1 checkpoint generator (config + safetensors, CLI).
 
 That the tensors load into the real model, each into the parameter it

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Shape checks of a Kimi K3.1 DSA layer's checkpoint tensors on load.
 
 vLLM's merged-linear loader narrows a tensor to its shard without checking

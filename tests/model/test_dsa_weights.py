@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Kimi K3.1 DSA weight loading on the CPU: the tiny checkpoint (and its
 multimodal and MTP namings) through the real Kimi K3 model classes and vLLM
 0.33.0's loaders with our ``dsa_weights`` and ``dsa_post_load`` seams: every

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Bad invocations of ``kimi-k3-dsa-tiny-checkpoint``: each is refused early
 with one clear line and leaves the disk exactly as it was; failed writes
 leave nothing half-written behind.

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The tiny checkpoint with Kimi K3.1's real attention dimensions
 (``kimi-k3-dsa-tiny-checkpoint --real-attention``) at TP 1, 2 and 8, on the
 CPU: the shape each rank of the TP 8 deployment runs (12 of the 96 MLA heads,

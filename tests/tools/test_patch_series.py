@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The generator of the upstream series (tools/make_patch_series.py): every
 file of ours lands in exactly one patch, each seam has its in-tree edit, and
 an edit whose anchor is not found exactly once stops it. The checks against

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # ruff: noqa: E501 (the strings quote lines of vLLM's files verbatim)
 """Edits of vLLM's build files: the ``_kimi_k3_C`` CMake target and its entry
 in ``setup.py``.

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Build the series' ``_kimi_k3_C`` CMake target by itself in the patched
 tree, against the installed vLLM 0.33.0 wheel's torch.
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Exact-anchor edits of upstream files.
 
 An edit replaces one piece of text that must occur exactly once in the file

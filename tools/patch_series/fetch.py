@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Download vLLM v0.33.0's sdist from PyPI (pinned URL, sha256-checked) and
 extract it: the tree the series applies to."""
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Write the series as ``git format-patch`` files against vLLM's source tree.
 
 The commits are made in a scratch repository whose base commit holds only the

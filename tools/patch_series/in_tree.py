@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """In-tree mode: the series applied to vLLM v0.33.0's source, its Python
 files laid over a pristine installed vLLM 0.33.0, the plugin absent, and this
 repository's CPU suite run against that.

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Pytest plugin of the in-tree run (``-p patch_series.in_tree_pytest``):
 before any test, check that the suite really runs against the patched vLLM
 tree without the overlay's plugin, so a green run cannot be the overlay's."""

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the series is made of, in order, derived from the repository.
 
 Every file of ours lands in exactly one patch: the files under ``vllm/`` (the

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Stack dumps of every Python process, for a serving run that hangs.
 
 Put this folder first on ``PYTHONPATH`` and set ``KIMI_K3_DSA_STACK_DUMP_S=N``:

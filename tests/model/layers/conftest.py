@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Fixtures of the Kimi K3.1 DSA layer tests (the layer classes and
 ``pack_projections`` on the CPU).
 

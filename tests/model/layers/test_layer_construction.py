@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The DSA layers as built: parameters and shapes, head padding under TP, the
 indexer key norm."""
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The DSA layer forward on the CPU: the wrapper path, the low-latency GEMM's
 plan, the indexer against the real op schema (dummy run), and the fused
 path's composition (kernels recorded, not run)."""

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``pack_projections``: when the fused forward switches on, and that declining
 leaves every weight as it was."""
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What a DSA layer refuses or chooses at construction: its own validations,
 the fused key insert's selection, the top-k buffer fallback and the ShardQ /
 DCP guards."""

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The in-tree edit of each plugin seam, one module per seam.
 
 Each module is named after its seam (``vllm/plugins/kimi_k3_dsa/<name>.py``)

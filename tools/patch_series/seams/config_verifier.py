@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # ruff: noqa: E501 (the strings quote lines of vLLM's files verbatim)
 """In-tree edit of the ``config_verifier`` seam: the Kimi K3 verifier (and a
 new Kimi-Linear one) applies the DSA rules; the MTP draft's verifier refuses a

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # ruff: noqa: E501 (the strings quote lines of vLLM's files verbatim)
 """In-tree edit of the ``dsa_weights`` seam: Kimi K3's weight loaders (target
 and MTP) load the DSA layers' indexer tensors."""

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # ruff: noqa: E501 (the strings quote lines of vLLM's files verbatim)
 """In-tree edit of the ``envs`` seam: vLLM's environment table lists the
 ``VLLM_KIMI_K3_DSA_*`` variables (and so keys the torch.compile cache on

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # ruff: noqa: E501 (the strings quote lines of vLLM's files verbatim)
 """In-tree edit of the ``hf_config`` seam: the config registry parses
 ``dsa_config`` for ``kimi_linear`` and ``kimi_k3``."""

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # ruff: noqa: E501 (the strings quote lines of vLLM's files verbatim)
 """In-tree edit of the ``mla_page_slots`` seam: the slots of a split token
 cache whose backend takes them from the runner (``token_cache_kernel_page_slots

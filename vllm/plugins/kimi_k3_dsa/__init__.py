@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The seams that wire Kimi K3.1 DSA into vLLM 0.33.0.
 
 vLLM 0.33.0 cannot know about DSA. In a fork, each seam below would be an edit

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Run a patch when a module is first imported (or now, if it already is).
 
 The model seams patch ``vllm.models.kimi_k3.nvidia.model`` and ``mtp``.

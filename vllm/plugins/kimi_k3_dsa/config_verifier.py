@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Seam: the Kimi K3 config verifier knows DSA.
 
 Upstream target: ``vllm/model_executor/models/config.py``, ``MODELS_CONFIG_MAP``

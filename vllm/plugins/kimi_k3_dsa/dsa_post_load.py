@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Seam: a model-level post-load hook packs the DSA layers' projections.
 
 Upstream target: ``vllm/models/kimi_k3/nvidia/model.py``

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Seam: Kimi K3's weight loaders load the DSA layers' checkpoint tensors.
 
 Upstream target: ``vllm/models/kimi_k3/nvidia/model.py``

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Seam: the HF config classes of ``kimi_linear`` and ``kimi_k3`` parse
 ``dsa_config``.
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Seam: the slots of a split token cache whose backend takes them from the
 runner address its kernel pages, under both of vLLM 0.33.0's model runners.
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The packed DSA block row of Kimi K3.1, applied to an engine configuration.
 
 Kimi K3.1 is a KDA hybrid: its 69 KDA layers keep per-request recurrent and

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Kimi K3.1 DSA caches: the per-token formats' sizes, the indexer cache layer
 and its metadata builder, and the DSA layers' FlashMLA sparse backend and its
 metadata builder.

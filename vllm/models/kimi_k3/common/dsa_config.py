@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Kimi K3.1's ``dsa_config``: its parsed form and the rules of the model.
 
 A Kimi K3.1 checkpoint is a Kimi K3 checkpoint whose text config carries a

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What a Kimi K3.1 DSA deployment runs with, decided once.
 
 The config verifier (:func:`~vllm.models.kimi_k3.common.dsa_verify.

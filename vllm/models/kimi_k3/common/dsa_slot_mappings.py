@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The runner's slot mappings of a split token cache, in kernel pages.
 
 A backend whose token cache the runner may split into kernel pages because

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The engine-side rules of Kimi K3.1 DSA, and the config verifier.
 
 :func:`verify_dsa_vllm_config` runs at config verification (the Kimi K3

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The fused forward of a Kimi K3.1 DSA layer.
 
 After loading, :meth:`KimiK3DSAAttention.pack_projections` packs

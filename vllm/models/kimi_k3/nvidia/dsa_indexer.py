@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The Kimi K3.1 DSA lightning indexer: its projections, key norm and key cache.
 
 :class:`KimiK3DSAIndexer` scores every cached token of a request with the

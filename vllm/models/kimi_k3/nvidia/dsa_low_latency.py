@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Low-latency GEMMs for the packed projections of the Kimi K3.1 DSA layers.
 
 ``KimiK3DSAAttention.pack_projections`` replaces six GEMMs by two over packed

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Kimi K3.1 DSA in Kimi K3's model: the model-level top-k buffer and
 index-group builder every DSA layer shares, and which layers are DSA.
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Where each Kimi K3.1 DSA checkpoint tensor loads, checked before it loads.
 
 :class:`DSAWeightRouter` maps the checkpoint's indexer names (and the MLA

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Kimi K3.1 DSA weights in Kimi K3's model: how the checkpoint's indexer
 tensors load, the completeness check after loading, and the post-load packing.
 
