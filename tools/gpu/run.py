@@ -98,6 +98,23 @@ SUITES: dict[str, Suite] = {
         900,
         "top-k recall and layer-output error of the quantized caches",
     ),
+    "dcp1gpu": Suite(
+        "python3 -m pytest -m gpu -v -p no:cacheprovider "
+        "tests/kernels/test_dsa_dcp2_one_gpu.py >$LOGS/pytest.log 2>&1",
+        {**VLLM_ENV, **KERNEL_ENV},
+        600,
+        "DCP2's two ranks in one process against one rank (vLLM installed; "
+        "its top-k merge test also needs CuTe DSL on PYTHONPATH)",
+    ),
+    "e2e-bench-quick": Suite(
+        "PATH=/tmp/site/bin:$PATH python3 benchmarks/e2e/bench_e2e_dsa.py "
+        "--out $LOGS --modes fused dense --starts 1 --iters 1 "
+        "--input-lens 32768 131072 --batch-sizes 1 16",
+        VLLM_ENV,
+        900,
+        "DSA fused against dense MLA end to end, one engine start each "
+        "(the full grid, the wrapper included, is benchmarks/e2e's default)",
+    ),
     "layer-small": Suite(
         "python3 benchmarks/layer/bench_dsa_layer.py --layers fused wrapper v32 "
         "--tp-heads 12 --decode-batches 1 --contexts 4096 --prefill-chunks 1024 "
