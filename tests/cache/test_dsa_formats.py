@@ -36,11 +36,11 @@ CSRC = next(
 )
 HEADER = CSRC / "dsa_formats.h"
 HOME = "vllm/models/kimi_k3/common/dsa_formats.py"
-# Where our Python modules live (all of vllm/ in this repository).
+# Where our Python modules live (vllm/ and the development tools).
 OUR_MODULES = (
     "vllm/models/kimi_k3/**/*.py",
     "vllm/plugins/kimi_k3_dsa/**/*.py",
-    "vllm/entrypoints/kimi_k3_dsa/**/*.py",
+    "kimi_k3_dsa_tools/**/*.py",
 )
 # Names that held one of these numbers outside the home before it existed.
 FORMER_NAMES = frozenset({"SPARSE_MLA_KV_LORA_RANK", "SPARSE_MLA_ROPE_DIM"})

@@ -48,8 +48,8 @@ def test_dsa_dcp_refusal_names_its_own_reason(
 ):
     """The same flags on Kimi K3.1 DSA are refused for the wrong tokens seen
     on two GPUs, and the message does not blame the KDA layers."""
+    from kimi_k3_dsa_tools.tiny_checkpoint import TINY_DSA_CONFIG
     from vllm.models.kimi_k3.common.dsa_envs import EXPERIMENTAL_DCP_ENV
-    from vllm.models.kimi_k3.common.dsa_tiny_checkpoint import TINY_DSA_CONFIG
 
     monkeypatch.delenv(EXPERIMENTAL_DCP_ENV, raising=False)
     ckpt = tiny_checkpoint(dsa_config={**TINY_DSA_CONFIG, "index_topk": 512})

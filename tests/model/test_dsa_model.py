@@ -131,7 +131,7 @@ def test_one_model_level_topk_buffer_and_index_group_builder(
 def test_topk_buffer_rows_dcp_slack() -> None:
     from types import SimpleNamespace
 
-    from vllm.models.kimi_k3.common.dsa_settings import topk_indices_buffer_rows
+    from vllm.models.kimi_k3.common.dsa_verify import topk_indices_buffer_rows
 
     def cfg(dcp: int) -> Any:
         return SimpleNamespace(
@@ -145,7 +145,7 @@ def test_topk_buffer_rows_dcp_slack() -> None:
 
 
 def test_topk_buffer_is_rows_by_index_topk(dsa_layer_env) -> None:
-    from vllm.models.kimi_k3.common.dsa_settings import topk_indices_buffer_rows
+    from vllm.models.kimi_k3.common.dsa_verify import topk_indices_buffer_rows
     from vllm.models.kimi_k3.nvidia.dsa_model import make_topk_indices_buffer
 
     cfg = dsa_layer_env.vllm_config

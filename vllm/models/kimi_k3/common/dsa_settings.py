@@ -6,8 +6,10 @@ The config verifier (:func:`~vllm.models.kimi_k3.common.dsa_verify.
 verify_dsa_vllm_config`) refuses what cannot be served; what it accepts
 resolves here: the indexer key format (decided by
 :func:`~.dsa_cache.kimi_k3_indexer_uses_fp4`, which the cache builder and the
-block size ask too), the top-k buffer rows (:func:`topk_indices_buffer_rows`)
-and the head count DeepGEMM's indexer runs at (:func:`padded_index_heads`).
+block size ask too), the top-k buffer rows
+(:func:`~.dsa_verify.topk_indices_buffer_rows`, which the verifier checks
+against the GPU memory budget) and the head count DeepGEMM's indexer runs at
+(:func:`padded_index_heads`).
 :class:`DSASettings` gathers what a DSA layer reads of them.
 """
 
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 from vllm.models.kimi_k3.common import dsa_cache
 from vllm.models.kimi_k3.common.dsa_config import DSAConfig
 from vllm.models.kimi_k3.common.dsa_formats import DEEPGEMM_INDEX_HEADS
+from vllm.models.kimi_k3.common.dsa_verify import topk_indices_buffer_rows
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -44,19 +47,6 @@ def padded_index_heads(index_num_heads: int) -> int:
         "Official DeepGEMM DSA indexer supports at most "
         f"{max(DEEPGEMM_INDEX_HEADS)} index heads, got {index_num_heads}."
     )
-
-
-def topk_indices_buffer_rows(vllm_config: VllmConfig) -> int:
-    """Rows of the model-level top-k buffer.
-
-    ``max_num_batched_tokens`` plus, under decode context parallelism, the
-    ``W - 1`` rows of slack that allgather-k mode needs: prefill rows are padded
-    to ``ceil(P / W)`` per rank, so the gathered output takes at most ``W - 1``
-    rows more than the batch's tokens.
-    """
-    dcp_world_size = vllm_config.parallel_config.decode_context_parallel_size
-    slack = dcp_world_size - 1 if dcp_world_size > 1 else 0
-    return vllm_config.scheduler_config.max_num_batched_tokens + slack
 
 
 def resolve_dsa_settings(vllm_config: VllmConfig) -> DSASettings:

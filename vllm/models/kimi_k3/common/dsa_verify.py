@@ -226,13 +226,25 @@ def check_dsa_deployment(
     check_sparse_mla_heads(text_config.num_attention_heads, tensor_parallel_size)
 
 
+def topk_indices_buffer_rows(vllm_config: VllmConfig) -> int:
+    """Rows of the model-level top-k buffer.
+
+    ``max_num_batched_tokens`` plus, under decode context parallelism, the
+    ``W - 1`` rows of slack that allgather-k mode needs: prefill rows are padded
+    to ``ceil(P / W)`` per rank, so the gathered output takes at most ``W - 1``
+    rows more than the batch's tokens.
+    """
+    dcp_world_size = vllm_config.parallel_config.decode_context_parallel_size
+    slack = dcp_world_size - 1 if dcp_world_size > 1 else 0
+    return vllm_config.scheduler_config.max_num_batched_tokens + slack
+
+
 def check_topk_buffer_budget(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
     """The model-level top-k buffer (rows x ``index_topk`` x 4 B, int32) is
     allocated when the model is built: check it against the memory vLLM may
     use on the GPU first (``gpu_memory_utilization`` of its total), so that a
     ``max_num_batched_tokens`` or top-k that would take tens of GB is refused
     with its numbers instead of failing, or starving the KV cache, later."""
-    from vllm.models.kimi_k3.common.dsa_settings import topk_indices_buffer_rows
     from vllm.platforms import current_platform
 
     if not current_platform.is_cuda():

@@ -49,7 +49,9 @@ from vllm.models.kimi_k3.common.dsa_formats import (
     MXFP4_AMAX_FLOOR,
     MXFP4_BLOCK_SIZE,
 )
-from vllm.models.kimi_k3.nvidia.dsa_ops import reference
+from vllm.models.kimi_k3.nvidia.dsa_ops.reference import (
+    indexer_q_quant as reference_indexer_q_quant,
+)
 
 try:
     import triton
@@ -320,7 +322,7 @@ def indexer_q_quant(
     """
     _check_inputs(index_q, index_weights, padded_heads, fp4)
     if not index_q.is_cuda or not HAS_TRITON:
-        return reference.indexer_q_quant(
+        return reference_indexer_q_quant(
             index_q, index_weights, weight_scale, padded_heads, fp4=fp4
         )
     if fp4:
