@@ -51,12 +51,12 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.rotary_embedding.common import yarn_get_mscale
 from vllm.models.kimi_k3.common.dsa_cache import KimiK3FlashMLASparseBackend
 from vllm.models.kimi_k3.common.dsa_settings import resolve_dsa_settings
-from vllm.models.kimi_k3.nvidia import dsa_fused
+from vllm.models.kimi_k3.nvidia import dsa_fused, dsa_ops
 from vllm.models.kimi_k3.nvidia.dsa_indexer import (
     KimiK3DSAIndexer,
     KimiK3DSAIndexerKNorm,
 )
-from vllm.models.kimi_k3.nvidia.dsa_ops import (
+from vllm.models.kimi_k3.nvidia.dsa_ops import (  # noqa: F401 (re-exported)
     dsa_fused_prologue,
     indexer_k_norm_quant_insert,
     indexer_q_quant_fold_weights,
@@ -77,16 +77,12 @@ __all__ = [
     "KimiK3DSAAttention",
     "KimiK3DSAIndexer",
     "KimiK3DSAIndexerKNorm",
-    "dsa_fused_prologue",
-    "indexer_k_norm_quant_insert",
-    "indexer_q_quant_fold_weights",
-    "mxfp4_fused_prologue",
-    "mxfp4_k_norm_quant_insert",
-    "mxfp4_q_quant",
     "make_topk_indices_buffer",
     "padded_num_heads",
     "use_kimi_k3_mla_backend",
 ]
+# The kernels' public ops (imported above), importable from here too.
+__all__ += dsa_ops.__all__
 
 logger = init_logger(__name__)
 
@@ -276,55 +272,67 @@ class KimiK3DSAAttention(nn.Module):
     ) -> None:
         """The MLA projections, as the dense Kimi K3 MLA's (the output gate
         apart: it is its own linear here)."""
+
+        def linear(
+            cls: type[nn.Module],
+            in_features: int,
+            out_features: int | list[int],
+            name: str,
+            **kwargs: Any,
+        ) -> Any:
+            # Every projection is bias-free, quantized alike, named by prefix.
+            return cls(
+                in_features,
+                out_features,
+                bias=False,
+                quant_config=quant_config,
+                prefix=f"{prefix}.{name}",
+                **kwargs,
+            )
+
         if self.q_lora_rank is not None:
             # Latent projections are replicated; q_b_proj / kv_b_proj split
             # the heads across TP ranks.
-            self.fused_qkv_a_proj = MergedColumnParallelLinear(
+            self.fused_qkv_a_proj = linear(
+                MergedColumnParallelLinear,
                 self.hidden_size,
                 [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim],
-                bias=False,
-                quant_config=quant_config,
-                prefix=f"{prefix}.fused_qkv_a_proj",
+                "fused_qkv_a_proj",
                 disable_tp=True,
             )
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(
+            self.q_b_proj = linear(
+                ColumnParallelLinear,
                 self.q_lora_rank,
                 self.num_heads * self.qk_head_dim,
-                bias=False,
-                quant_config=quant_config,
-                prefix=f"{prefix}.q_b_proj",
+                "q_b_proj",
             )
         else:
-            self.kv_a_proj_with_mqa = ReplicatedLinear(
+            self.kv_a_proj_with_mqa = linear(
+                ReplicatedLinear,
                 self.hidden_size,
                 self.kv_lora_rank + self.qk_rope_head_dim,
-                bias=False,
-                quant_config=quant_config,
-                prefix=f"{prefix}.kv_a_proj_with_mqa",
+                "kv_a_proj_with_mqa",
             )
-            self.q_proj = ColumnParallelLinear(
+            self.q_proj = linear(
+                ColumnParallelLinear,
                 self.hidden_size,
                 self.num_heads * self.qk_head_dim,
-                bias=False,
-                quant_config=quant_config,
-                prefix=f"{prefix}.q_proj",
+                "q_proj",
             )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
-        self.kv_b_proj = ColumnParallelLinear(
+        self.kv_b_proj = linear(
+            ColumnParallelLinear,
             self.kv_lora_rank,
             self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.kv_b_proj",
+            "kv_b_proj",
         )
-        self.o_proj = RowParallelLinear(
+        self.o_proj = linear(
+            RowParallelLinear,
             self.num_heads * self.v_head_dim,
             self.hidden_size,
-            bias=False,
+            "o_proj",
             reduce_results=reduce_results,
-            quant_config=quant_config,
-            prefix=f"{prefix}.o_proj",
         )
 
     def _init_rope_and_gate(

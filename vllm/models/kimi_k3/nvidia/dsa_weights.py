@@ -90,6 +90,29 @@ def _weights_with_router(
         yield item
 
 
+def _load_with_router(
+    module: nn.Module,
+    weights: Iterable[WeightItem],
+    original: Callable[[nn.Module, Iterable[WeightItem]], set[str]],
+    layers: dict[str, tuple[str, nn.Module]],
+    normalize: Callable[[str], str] = lambda name: name,
+    refuse_foreign_indexer: Callable[[str], None] | None = None,
+) -> set[str]:
+    """``original`` over ``weights``, the DSA tensors of ``layers`` loaded by
+    a :class:`DSAWeightRouter` on the way (none: ``original`` alone)."""
+    if not layers:
+        return original(module, weights)
+    router = DSAWeightRouter(dict(module.named_parameters()), layers)
+    loaded: set[str] = set()
+    loaded |= original(
+        module,
+        _weights_with_router(
+            weights, router, loaded, normalize, refuse_foreign_indexer
+        ),
+    )
+    return loaded
+
+
 def kimi_linear_model_dsa_layers(
     model: nn.Module,
 ) -> dict[str, tuple[str, nn.Module]]:
@@ -113,9 +136,6 @@ def load_kimi_linear_model_weights(
     """``KimiLinearModel.load_weights`` with the DSA names: our tensors are
     loaded here, everything else goes through 0.33.0's loader unchanged."""
     layers = kimi_linear_model_dsa_layers(model)
-    if not layers:
-        return original(model, weights)
-    router = DSAWeightRouter(dict(model.named_parameters()), layers)
     dsa_layer_ids = {int(p.split(".")[1]) for p in layers}
     num_layers = len(getattr(model, "layers", []))
     start = getattr(model, "start_layer", 0)
@@ -137,14 +157,9 @@ def load_kimi_linear_model_weights(
             f"layer {idx} is not a DSA layer (DSA layers: {sorted(dsa_layer_ids)})"
         )
 
-    loaded: set[str] = set()
-    loaded |= original(
-        model,
-        _weights_with_router(
-            weights, router, loaded, refuse_foreign_indexer=refuse_foreign_indexer
-        ),
+    return _load_with_router(
+        model, weights, original, layers, refuse_foreign_indexer=refuse_foreign_indexer
     )
-    return loaded
 
 
 def kimi_k3_mtp_dsa_layers(mtp: nn.Module) -> dict[str, tuple[str, nn.Module]]:
@@ -179,15 +194,9 @@ def load_kimi_k3_mtp_weights(
 ) -> set[str]:
     """``KimiK3MTP.load_weights`` with the DSA names of the MTP block."""
     layers = kimi_k3_mtp_dsa_layers(mtp)
-    if not layers:
-        return original(mtp, weights)
-    router = DSAWeightRouter(dict(mtp.named_parameters()), layers)
-    loaded: set[str] = set()
-    loaded |= original(
-        mtp,
-        _weights_with_router(weights, router, loaded, normalize=_strip_language_model),
+    return _load_with_router(
+        mtp, weights, original, layers, normalize=_strip_language_model
     )
-    return loaded
 
 
 # ---------------------------------------------------------------------------
