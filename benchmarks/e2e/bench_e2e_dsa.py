@@ -24,8 +24,8 @@ manager; a row's decode rate is ``batch / step`` tokens/s. Chunked prefill
 overlaps decode otherwise, so ``--max-num-batched-tokens`` (the same for every
 mode) sets how many steps the prefill takes and thus how many pure-decode
 steps remain. ``vllm bench latency`` itself reports only the whole batch's
-wall time; ``--vllm-bench-latency`` runs it once per mode for the first row,
-as a cross-check.
+wall time, and its prompts (token ids below 10000) do not fit the tiny
+checkpoint's 1024-token vocabulary, so it cannot serve as a cross-check here.
 
     python benchmarks/e2e/bench_e2e_dsa.py --out build/e2e_bench \\
         --input-lens 8192 32768 131072 --batch-sizes 1 16 64 --output-len 256
@@ -50,6 +50,8 @@ from typing import Any
 MODES = ("fused", "wrapper", "dense")
 FORCE_WRAPPER_ENV = "VLLM_KIMI_K3_DSA_FORCE_WRAPPER"
 TINY_CHECKPOINT_COMMAND = "kimi-k3-dsa-tiny-checkpoint"
+TINY_CHECKPOINT_MODULE = "kimi_k3_dsa_tools.tiny_checkpoint_cli"
+MAX_NUM_SEQS = 256
 
 
 @dataclass(frozen=True)
@@ -224,7 +226,12 @@ def engine_kwargs(model: str, max_len: int, args: argparse.Namespace) -> dict:
         "enable_prefix_caching": False,
         "max_model_len": max_len,
         "hf_overrides": {"max_position_embeddings": max_len},
-        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30),
+        # vLLM 0.33.0's packed KDA decode kernel launches (V / 32, batch x KDA
+        # heads) programs, and a grid's y is at most 65535: with this
+        # checkpoint's 80 KDA heads on one GPU, the engine's warm-up decode at
+        # max_num_seqs 1024 fails ("Triton Error [CUDA]: invalid argument").
+        "max_num_seqs": MAX_NUM_SEQS,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "disable_log_stats": False,
         "seed": args.start,
@@ -243,6 +250,8 @@ def run_engine(args: argparse.Namespace) -> int:
     max_len = max(r.input_len for r in rows) + args.output_len
     llm = LLM(**engine_kwargs(args.model, max_len, args))
     step_log = attach_step_log(llm)
+    # vllm bench latency draws ids below 10000; the tiny vocabulary is 1024.
+    vocab = min(10000, llm.llm_engine.model_config.get_vocab_size())
     params = SamplingParams(
         temperature=1.0,
         top_p=1.0,
@@ -254,7 +263,7 @@ def run_engine(args: argparse.Namespace) -> int:
     with open(args.records, "a") as f:
         for row in rows:
             for it in range(-1, args.iters):
-                ids = rng.integers(10000, size=(row.batch, row.input_len)).tolist()
+                ids = rng.integers(vocab, size=(row.batch, row.input_len)).tolist()
                 prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
                 step_log.steps.clear()
                 t0 = time.perf_counter()
@@ -293,18 +302,16 @@ def write_checkpoints(
 ) -> dict[str, Path]:
     """The DSA and the dense real-attention checkpoints (same seed), once."""
     paths = {"dsa": out / "ckpt-dsa", "dense": out / "ckpt-dense"}
-    command = shutil.which(TINY_CHECKPOINT_COMMAND)
-    if command is None:
-        raise SystemExit(
-            f"{TINY_CHECKPOINT_COMMAND} is not on PATH: install this package "
-            "(pip install .) in the environment that has vLLM"
-        )
+    # The console script, or its module where pip put no script on PATH (an
+    # install with --target, as on the GPU test host).
+    script = shutil.which(TINY_CHECKPOINT_COMMAND)
+    command = [script] if script else [sys.executable, "-m", TINY_CHECKPOINT_MODULE]
     for kind, path in paths.items():
         if (path / "config.json").exists():
             continue
         extra = ["--no-dsa"] if kind == "dense" else []
         extra += ["--config-only"] if config_only else ["--seed", str(seed)]
-        subprocess.run([command, str(path), "--real-attention", *extra], check=True)
+        subprocess.run([*command, str(path), "--real-attention", *extra], check=True)
     return paths
 
 
@@ -322,7 +329,7 @@ def engine_command(
         "--records", str(records),
         "--output-len", str(args.output_len),
         "--iters", str(args.iters),
-        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        "--kv-cache-gib", str(args.kv_cache_gib),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--rows", *rows,
     ]  # fmt: skip
@@ -336,32 +343,9 @@ def mode_env(mode: str) -> dict[str, str]:
     return env
 
 
-def vllm_bench_latency_command(
-    model: Path,
-    row: Row,
-    output_len: int,
-    json_path: Path,
-    max_num_batched_tokens: int,
-) -> list[str]:
-    """``vllm bench latency`` for one row: the cross-check of the loop above."""
-    max_len = row.input_len + output_len
-    return [
-        "vllm", "bench", "latency",
-        "--model", str(model),
-        "--skip-tokenizer-init",
-        "--input-len", str(row.input_len),
-        "--output-len", str(output_len),
-        "--batch-size", str(row.batch),
-        "--max-model-len", str(max_len),
-        "--hf-overrides", json.dumps({"max_position_embeddings": max_len}),
-        "--num-iters-warmup", "1",
-        "--num-iters", "3",
-        "--max-num-batched-tokens", str(max_num_batched_tokens),
-        "--output-json", str(json_path),
-    ]  # fmt: skip
-
-
 def drive(args: argparse.Namespace) -> int:
+    if max(args.batch_sizes) > MAX_NUM_SEQS:
+        raise SystemExit(f"--batch-sizes: at most {MAX_NUM_SEQS} (max_num_seqs)")
     rows, skipped = plan_rows(
         args.input_lens, args.batch_sizes, args.max_prefill_tokens
     )
@@ -399,25 +383,6 @@ def drive(args: argparse.Namespace) -> int:
             )
         print(f"{mode} start {start}: rc={proc.returncode}", flush=True)
         status = status or proc.returncode
-    if args.vllm_bench_latency:
-        row = rows[0]
-        for mode in args.modes:
-            model = ckpts["dense" if mode == "dense" else "dsa"]
-            json_path = out / f"vllm_bench_latency_{mode}.json"
-            with open(out / f"vllm_bench_latency_{mode}.log", "w") as log:
-                proc = subprocess.run(
-                    vllm_bench_latency_command(
-                        model,
-                        row,
-                        args.output_len,
-                        json_path,
-                        args.max_num_batched_tokens,
-                    ),
-                    env=mode_env(mode),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            status = status or proc.returncode
     if records.exists():
         recs = [json.loads(line) for line in records.read_text().splitlines() if line]
         summary = summarize(recs)
@@ -436,7 +401,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--records", required=True)
     e.add_argument("--output-len", type=int, required=True)
     e.add_argument("--iters", type=int, required=True)
-    e.add_argument("--gpu-memory-utilization", type=float, required=True)
+    e.add_argument("--kv-cache-gib", type=float, required=True)
     e.add_argument("--max-num-batched-tokens", type=int, required=True)
     e.add_argument("--rows", nargs="+", required=True)
     p.add_argument("--out", default="build/e2e_bench")
@@ -447,7 +412,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--starts", type=int, default=3)
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=6.0,
+        help="the engines' KV cache, the same for every mode (vLLM's "
+        "kv_cache_memory_bytes)",
+    )
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -460,7 +431,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2_200_000,
         help="leave out rows whose batch prefills more tokens than this",
     )
-    p.add_argument("--vllm-bench-latency", action="store_true")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     for name in (

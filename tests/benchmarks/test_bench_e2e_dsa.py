@@ -47,24 +47,6 @@ def test_engine_command_parses_back(tmp_path: Path) -> None:
     assert E.FORCE_WRAPPER_ENV not in E.mode_env("fused")
 
 
-def test_vllm_bench_latency_command_is_accepted_by_vllm(tmp_path: Path) -> None:
-    """The cross-check command parses with ``vllm bench latency``'s own CLI."""
-    pytest.importorskip("vllm")
-    from vllm.benchmarks.latency import add_cli_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    cmd = E.vllm_bench_latency_command(
-        tmp_path / "m", E.Row(32768, 16), 256, tmp_path / "o.json", 32768
-    )
-    assert cmd[:3] == ["vllm", "bench", "latency"]
-    parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    ns = parser.parse_args(cmd[3:])
-    assert (ns.input_len, ns.batch_size, ns.output_len) == (32768, 16, 256)
-    assert ns.max_model_len == 32768 + 256
-    assert ns.max_num_batched_tokens == 32768
-
-
 class _Stats:
     def __init__(self, n: int, ttft: float, first: float, last: float) -> None:
         self.num_generation_tokens = n
@@ -190,5 +172,7 @@ def test_engine_arguments_pass_vllms_configuration(
         cfg = engine_config(Path(model), **kwargs)
         assert cfg.model_config.max_model_len == max_len
         assert cfg.scheduler_config.max_num_batched_tokens == 32768
+        assert cfg.scheduler_config.max_num_seqs == E.MAX_NUM_SEQS
+        assert cfg.cache_config.kv_cache_memory_bytes == 6 * 2**30
         has_dsa = getattr(cfg.model_config.hf_text_config, "dsa_config", None)
         assert (has_dsa is not None) == (kind == "dsa")

@@ -107,7 +107,7 @@ SUITES: dict[str, Suite] = {
         "its top-k merge test also needs CuTe DSL on PYTHONPATH)",
     ),
     "e2e-bench-quick": Suite(
-        "PATH=/tmp/site/bin:$PATH python3 benchmarks/e2e/bench_e2e_dsa.py "
+        "python3 benchmarks/e2e/bench_e2e_dsa.py "
         "--out $LOGS --modes fused dense --starts 1 --iters 1 "
         "--input-lens 32768 131072 --batch-sizes 1 16",
         VLLM_ENV,
