@@ -4,6 +4,9 @@
 like the fused forward's packed GEMM output, packed (non-contiguous) cache
 blocks prefilled with a sentinel, and code-level comparisons."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,6 +22,18 @@ EPS = 1e-5
 
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels)"
+)
+# vLLM 0.33.0's own DeepGEMM and FlashMLA (tools/extract_vllm_consumers.sh),
+# loaded without vLLM installed.
+DEVICE_DIR = Path(
+    os.environ.get(
+        "KIMI_K3_DEVICE_DIR", Path(__file__).resolve().parents[2] / ".device"
+    )
+)
+requires_consumers = pytest.mark.skipif(
+    not DEVICE_DIR.is_dir(),
+    reason=f"vLLM 0.33.0 consumer kernels not found in {DEVICE_DIR} "
+    "(run tools/extract_vllm_consumers.sh)",
 )
 requires_kernels = pytest.mark.skipif(
     not torch.cuda.is_available() or not extension_available(),

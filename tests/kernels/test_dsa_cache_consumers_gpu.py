@@ -10,19 +10,19 @@ written by our prologue. Both come from the vllm==0.33.0 wheel, extracted by
 """
 
 import math
-import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from dsa_gpu_utils import (
     BLOCK,
+    DEVICE_DIR,
     EPS,
     SENTINEL,
     PackedCaches,
     gemm_slices,
     norm_weights,
+    requires_consumers,
     requires_kernels,
 )
 
@@ -34,16 +34,6 @@ from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
     indexer_k_norm_quant_insert,
 )
 
-DEVICE_DIR = Path(
-    os.environ.get(
-        "KIMI_K3_DEVICE_DIR", Path(__file__).resolve().parents[2] / ".device"
-    )
-)
-requires_consumers = pytest.mark.skipif(
-    not DEVICE_DIR.is_dir(),
-    reason=f"vLLM 0.33.0 consumer kernels not found in {DEVICE_DIR} "
-    "(run tools/extract_vllm_consumers.sh)",
-)
 pytestmark = [pytest.mark.gpu, requires_kernels, requires_consumers]
 
 H = 32  # indexer heads

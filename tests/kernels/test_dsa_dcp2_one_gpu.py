@@ -44,15 +44,14 @@ merge (that test alone skips without it).
 from __future__ import annotations
 
 import itertools
-import os
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from dsa_gpu_utils import (
     BLOCK,
+    DEVICE_DIR,
     EPS,
     SENTINEL,
     PackedCaches,
@@ -60,6 +59,7 @@ from dsa_gpu_utils import (
     compare_index_values,
     gemm_slices,
     norm_weights,
+    requires_consumers,
     requires_kernels,
 )
 
@@ -71,16 +71,6 @@ from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
     indexer_k_norm_quant_insert,
 )
 
-DEVICE_DIR = Path(
-    os.environ.get(
-        "KIMI_K3_DEVICE_DIR", Path(__file__).resolve().parents[2] / ".device"
-    )
-)
-requires_consumers = pytest.mark.skipif(
-    not DEVICE_DIR.is_dir(),
-    reason=f"vLLM 0.33.0 consumer kernels not found in {DEVICE_DIR} "
-    "(run tools/extract_vllm_consumers.sh)",
-)
 pytestmark = [pytest.mark.gpu, requires_kernels, requires_consumers]
 
 DCP = 2
