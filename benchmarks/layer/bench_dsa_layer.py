@@ -11,7 +11,8 @@ mode FULL (vLLM's mode for uniform decode batches; FlashMLA sparse, FlashMLA
 and FlashAttention MLA declare UNIFORM_BATCH, and breakable capture runs
 attention inside the graph in FULL mode) and replayed; prefill chunks run
 eagerly, as vLLM runs them outside full graphs. ``--profile`` adds a
-per-stage breakdown of one eager step.
+per-stage breakdown of one eager step and the host time of building the
+layer's attention metadata (``metadata_build_us``).
 
 Every point is measured on its own: one that fails is recorded with its error
 (and a decode step that cannot be captured is timed eagerly, saying so), the
@@ -34,6 +35,7 @@ import json
 import re
 import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -182,6 +184,30 @@ def profile_step(bench: S.LayerBench) -> tuple[dict[str, float], list[str]]:
     return stages, sorted({n for n in names if classify([n]) == ["other"]})
 
 
+def metadata_build_us(bench: S.LayerBench, reps: int) -> float:
+    """Median host microseconds to build this layer's attention metadata, as
+    the runner does once a step per KV cache group (here: every cache of the
+    layer, from the same common metadata). The GPU is idle when each build
+    starts; a build that waits on the GPU is charged for it."""
+    cuda = bench.hidden is not None and bench.hidden.is_cuda
+    groups = list(bench.groups.values())
+    if not groups:
+        raise RuntimeError("the layer bench holds no metadata builders")
+    for group in groups:
+        group.build_metadata(bench.common)
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for group in groups:
+            group.build_metadata(bench.common)
+        times.append((time.perf_counter() - start) * 1e6)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def specs(args: argparse.Namespace) -> list[S.Spec]:
     out = [
         S.Spec("decode", b, c, 1) for c in args.contexts for b in args.decode_batches
@@ -269,6 +295,9 @@ def measure(
         if args.profile:
             stages = S.under_env(kind, profile_step, bench)
             out["stages_us"], out["unclassified"] = stages
+            out["metadata_build_us"] = S.under_env(
+                kind, metadata_build_us, bench, args.reps
+            )
         out["backends"] = dict(bench.backends)
         if kind in S.DENSE_LAYERS:
             out.update(dense_fields(bench))

@@ -107,6 +107,8 @@ class LayerBench:
     hidden: torch.Tensor | None = None
     # Cache name -> the attention backend its metadata builder belongs to.
     backends: dict[str, str] = field(default_factory=dict)
+    # Cache name -> the runner's AttentionGroup that builds its metadata.
+    groups: dict[str, Any] = field(default_factory=dict)
     # What this run did differently from a served step, for the record.
     notes: list[str] = field(default_factory=list)
 
@@ -500,6 +502,7 @@ def build_metadata(bench: LayerBench, device: torch.device) -> None:
             kv_cache_group_id=gid,
         )
         group.create_metadata_builders(bench.vllm_config, device)
+        bench.groups[name] = group
         bench.attn_metadata[name] = group.build_metadata(common)
         bench.slot_mapping[name] = common.slot_mapping
         bench.backends[name] = backend.get_name()

@@ -293,6 +293,36 @@ def test_setup_builds_what_was_asked(configs, cpu_stubs, kind, spec):
     assert set(bench.backends.values()) == {"FLASHMLA_SPARSE", "DEEPSEEK_V32_INDEXER"}
 
 
+@pytest.mark.parametrize("kind", S.DSA_LAYERS)
+def test_metadata_build_time_covers_every_cache_group(
+    configs, cpu_stubs, kind, monkeypatch
+):
+    """``--profile``'s host metadata time builds each of the layer's cache
+    groups (the MLA and the indexer cache) once per repeat, from the bench's
+    common metadata, and reports their median sum."""
+    bench = S.setup(kind, SPECS[0], configs[kind], CPU)
+    assert set(bench.groups) == set(S.cache_layers(bench.layer))
+    built: list[tuple[str, object]] = []
+    for name, group in bench.groups.items():
+        real = group.build_metadata
+
+        def counted(common, _name=name, _real=real):
+            built.append((_name, common))
+            return _real(common)
+
+        monkeypatch.setattr(group, "build_metadata", counted)
+    reps = 3
+    us = B.metadata_build_us(bench, reps)
+    assert us > 0
+    # One warm-up build and ``reps`` timed builds of every group.
+    assert len(built) == (reps + 1) * len(bench.groups)
+    assert {name for name, _ in built} == set(bench.groups)
+    assert all(common is bench.common for _, common in built)
+    bench.groups.clear()
+    with pytest.raises(RuntimeError, match="no metadata builders"):
+        B.metadata_build_us(bench, reps)
+
+
 def _check_dtypes_and_device(kind: str, layer, device: torch.device) -> None:
     """As vLLM's loader builds a model: bf16 weights, but the indexer key norm
     and the KV scales stay fp32 (the fused kernels and V3.2's fused_q check
