@@ -25,13 +25,13 @@ from vllm.models.kimi_k3.common.dsa_cache import (
     mla_page_bytes_per_token,
     packed_dsa_block_size,
 )
-from vllm.models.kimi_k3.common.dsa_pages import token_cache_kernel_page_slots
 from vllm.models.kimi_k3.common.dsa_verify import check_dsa_pcp
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,
     get_kv_quant_mode,
 )
+from vllm.v1.worker.kernel_pages import token_cache_kernel_page_slots
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
