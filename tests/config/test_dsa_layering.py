@@ -9,6 +9,10 @@
   upstream vLLM: its GPU tests run where vLLM is not installed.
 - That numbers module (``common/dsa_formats.py``) imports the standard library
   only.
+- The engine's generic kernel-page module (``vllm/v1/worker/kernel_pages.py``)
+  knows no model and imports torch and the standard library only: the runners
+  import it, and the kernels' GPU tests lay out caches with it where vLLM is
+  not installed.
 
 Read from the source (ast), so a lazy import inside a function counts too.
 """
@@ -31,6 +35,7 @@ K3 = "vllm.models.kimi_k3"
 COMMON = ROOT / "vllm/models/kimi_k3/common"
 OPS = ROOT / "vllm/models/kimi_k3/nvidia/dsa_ops"
 FORMATS = COMMON / "dsa_formats.py"
+KERNEL_PAGES = ROOT / "vllm/v1/worker/kernel_pages.py"
 OPS_ALLOWED = (
     "torch",
     "triton",
@@ -105,6 +110,11 @@ def test_ops_layer_imports_no_upstream_vllm(path: Path):
 def test_numbers_module_imports_the_standard_library_only():
     names = imported_modules(FORMATS.read_text(), module_name(FORMATS))
     assert [n for n, _ in names if not _is_stdlib(n)] == []
+
+
+def test_generic_kernel_pages_import_torch_and_the_standard_library_only():
+    names = imported_modules(KERNEL_PAGES.read_text(), module_name(KERNEL_PAGES))
+    assert [n for n, _ in names if not (_is_stdlib(n) or _within(n, "torch"))] == []
 
 
 def test_import_scans_see_forbidden_imports():
