@@ -28,6 +28,9 @@ PACKAGES = [
     "vllm.models.kimi_k3.nvidia",
     "vllm.models.kimi_k3.nvidia.dsa_ops",
     "vllm.plugins.kimi_k3_dsa",
+    # The engine's generic kernel-page helpers (vllm/v1/worker/kernel_pages.py),
+    # at the path the series adds them to.
+    "vllm.v1.worker",
 ]
 # The development tools (KV plan, tiny checkpoint): a top-level package of
 # this distribution, outside vLLM's tree; vLLM never imports it.

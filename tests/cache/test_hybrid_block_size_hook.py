@@ -94,9 +94,16 @@ def test_kimi_k3_classes_answer_with_the_packed_row(vllm_config_for):
     cfg = vllm_config_for()
     cache_config = cfg.cache_config
     saved = (cache_config.block_size, cache_config.mamba_page_size_padded)
+    block_settings = (*saved, cache_config.mamba_block_size)
     try:
         for cls in (model.KimiLinearForCausalLM, model.KimiK3ForConditionalGeneration):
             size = cls.get_hybrid_block_size(cfg, [KimiK3IndexerBackend])
+            # The hook only answers: the platform alone writes the size.
+            assert (
+                cache_config.block_size,
+                cache_config.mamba_page_size_padded,
+                cache_config.mamba_block_size,
+            ) == block_settings
             assert size == dsa_block_size.packed_dsa_block_size(
                 cfg,
                 dsa_block_size.target_mla_bytes_per_token(cfg),

@@ -285,11 +285,11 @@ def test_pcp_refused_at_startup(tiny_checkpoint, engine_config):
 
 
 def test_backend_declares_kernel_page_slots():
-    from vllm.models.kimi_k3.common.dsa_pages import (
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
+    from vllm.v1.worker.kernel_pages import (
         SLOTS_FROM_BUILDER,
         token_cache_kernel_page_slots,
     )
-    from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
 
     # Its builder writes at kernel-page slots, so the runner may split it.
     assert token_cache_kernel_page_slots(KimiK3IndexerBackend) == SLOTS_FROM_BUILDER

@@ -21,7 +21,7 @@ from vllm.models.kimi_k3.common.dsa_cache import (
 )
 from vllm.models.kimi_k3.common.dsa_envs import MLA_KERNEL_PAGES_ENV
 from vllm.models.kimi_k3.common.dsa_formats import MLA_KERNEL_PAGE_TOKENS
-from vllm.models.kimi_k3.common.dsa_pages import (
+from vllm.v1.worker.kernel_pages import (
     SLOTS_FROM_RUNNER,
     kernel_page_slots,
     token_cache_kernel_page_slots,
@@ -170,7 +170,7 @@ def test_runner_slots_are_remapped_for_split_mla_groups(allocated):
     attention group is split, for the metadata (by group) and the forward
     context (by layer, and per micro-batch), in one persistent buffer; other
     groups keep theirs."""
-    from vllm.models.kimi_k3.common.dsa_slot_mappings import remap_slot_mappings
+    from vllm.v1.worker.kernel_pages import remap_slot_mappings
 
     block, kv_cache_config, caches = allocated
     gid = next(
@@ -214,8 +214,8 @@ def test_the_runner_asks_the_backend_capability_not_its_type(allocated):
     ``token_cache_kernel_page_slots``: any backend that declares ``"runner"``
     does, ours with the attribute cleared and a builder-slot backend do not,
     and an undeclared value is refused naming the accepted ones."""
-    from vllm.models.kimi_k3.common.dsa_slot_mappings import kernel_page_slot_groups
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+    from vllm.v1.worker.kernel_pages import kernel_page_slot_groups
 
     _, kv_cache_config, caches = allocated
     _, mla_group = _split("l3.mla", kv_cache_config, caches["l3.mla"])
@@ -241,7 +241,7 @@ def test_the_runner_asks_the_backend_capability_not_its_type(allocated):
 
 
 def test_runner_slots_untouched_without_a_split(allocated):
-    from vllm.models.kimi_k3.common.dsa_slot_mappings import remap_slot_mappings
+    from vllm.v1.worker.kernel_pages import remap_slot_mappings
     from vllm.v1.worker.utils import AttentionGroup
 
     _, kv_cache_config, _ = allocated

@@ -31,7 +31,7 @@ from vllm.models.kimi_k3.common.dsa_cache import (
     KimiK3IndexerBackend,
 )
 from vllm.models.kimi_k3.common.dsa_formats import MLA_KERNEL_PAGE_TOKENS
-from vllm.models.kimi_k3.common.dsa_slot_mappings import (
+from vllm.v1.worker.kernel_pages import (
     BLOCK_TABLES_ATTR,
     configure_block_tables,
 )

@@ -318,7 +318,7 @@ def test_block_size_seam_on_the_real_config(vllm_config_for):
 def test_block_size_seam_leaves_other_models_alone(vllm_config_for):
     cfg = vllm_config_for(dsa=False)
     block = cfg.cache_config.block_size
-    assert dsa_block_size.apply_packed_dsa_block_size(cfg, [64]) is None
+    assert dsa_block_size.packed_dsa_block_size_for(cfg, [64]) is None
     assert cfg.cache_config.block_size == block
 
 

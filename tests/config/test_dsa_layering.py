@@ -9,6 +9,10 @@
   upstream vLLM: its GPU tests run where vLLM is not installed.
 - That numbers module (``common/dsa_formats.py``) imports the standard library
   only.
+- The engine's generic kernel-page module (``vllm/v1/worker/kernel_pages.py``)
+  knows no model and imports torch and the standard library only: the runners
+  import it, and the kernels' GPU tests lay out caches with it where vLLM is
+  not installed.
 
 Read from the source (ast), so a lazy import inside a function counts too.
 """
@@ -31,6 +35,7 @@ K3 = "vllm.models.kimi_k3"
 COMMON = ROOT / "vllm/models/kimi_k3/common"
 OPS = ROOT / "vllm/models/kimi_k3/nvidia/dsa_ops"
 FORMATS = COMMON / "dsa_formats.py"
+KERNEL_PAGES = ROOT / "vllm/v1/worker/kernel_pages.py"
 OPS_ALLOWED = (
     "torch",
     "triton",
@@ -107,16 +112,21 @@ def test_numbers_module_imports_the_standard_library_only():
     assert [n for n, _ in names if not _is_stdlib(n)] == []
 
 
+def test_generic_kernel_pages_import_torch_and_the_standard_library_only():
+    names = imported_modules(KERNEL_PAGES.read_text(), module_name(KERNEL_PAGES))
+    assert [n for n, _ in names if not (_is_stdlib(n) or _within(n, "torch"))] == []
+
+
 def test_import_scans_see_forbidden_imports():
     """Each rule fails on the imports it forbids, relative and lazy ones
     included."""
-    assert module_name(COMMON / "dsa_pages.py") == f"{K3}.common.dsa_pages"
+    assert module_name(COMMON / "dsa_cache.py") == f"{K3}.common.dsa_cache"
     common = (
         "from ..nvidia.dsa_ops import formats\n"
         "from vllm.models.kimi_k3 import nvidia\n"
         "def f():\n"
         "    import vllm.models.kimi_k3.nvidia.dsa\n"
-        "from . import dsa_pages\n"
+        "from . import dsa_cache\n"
         "from .dsa_formats import KERNEL_BLOCK_SIZES\n"
     )
     assert common_imports_of_nvidia(common, f"{K3}.common.dsa_example") == [

@@ -28,6 +28,8 @@ UPSTREAM_OWNED = (
     "vllm/models/kimi_k3/nvidia",
     "vllm/models/kimi_k3/common",
     "vllm/plugins",
+    "vllm/v1",
+    "vllm/v1/worker",
     # 0.33.0 ships nvidia/ops (attn_res); our kernels live in nvidia/dsa_ops.
     "vllm/models/kimi_k3/nvidia/ops",
 )
@@ -120,6 +122,8 @@ def test_wheel_holds_our_modules_only(wheel_files):
         "vllm/models/kimi_k3/common/dsa_verify.py",
         "vllm/plugins/kimi_k3_dsa/__init__.py",
         "vllm/models/kimi_k3/nvidia/dsa_ops/__init__.py",
+        # The engine's generic helpers, beside the runners that call them.
+        "vllm/v1/worker/kernel_pages.py",
     ):
         assert module in python_files, module
     for directory in UPSTREAM_OWNED:

@@ -78,7 +78,7 @@ def _config(
 
 
 def _packed_block_size(config: Any) -> int:
-    """The block the engine sizes (``apply_packed_dsa_block_size``) with
+    """The block the engine sizes (``packed_dsa_block_size_for``) with
     FlashMLA sparse's and the indexer's 64-token kernel pages on CUDA."""
     from vllm.models.kimi_k3.common.dsa_block_size import (
         kda_state_bytes_for,

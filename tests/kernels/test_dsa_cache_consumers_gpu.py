@@ -190,7 +190,7 @@ def test_flashmla_sparse_decode_reads_split_mla_pages():
     sentinel, and FlashMLA sparse decode reads the page view at the remapped
     slots."""
     # Torch only, like the ops layer: importable where vLLM is not installed.
-    from vllm.models.kimi_k3.common.dsa_pages import (
+    from vllm.v1.worker.kernel_pages import (
         kernel_page_slots,
         split_packed_rows_into_kernel_pages,
     )

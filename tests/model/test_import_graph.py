@@ -27,6 +27,7 @@ OUR_MODULES: dict[str, tuple[str, str]] = {
     "vllm.models.kimi_k3.nvidia": ("dsa", "dsa*.py"),
     "vllm.models.kimi_k3.nvidia.dsa_ops": ("formats", "*.py"),
     "vllm.plugins.kimi_k3_dsa": ("_on_import", "*.py"),
+    "vllm.v1.worker": ("kernel_pages", "kernel_pages.py"),
     "kimi_k3_dsa_tools": ("kv_plan", "*.py"),
 }
 

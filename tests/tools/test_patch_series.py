@@ -76,6 +76,20 @@ def test_placeholder_must_be_imported_by_the_seam() -> None:
         series.resolve_modules(edits, {}, "s")
 
 
+def test_generic_engine_edit_may_not_import_model_code() -> None:
+    """An edit of a generic engine file calls helpers of a generic module,
+    never of a model's folder; a model's own file may import its folder."""
+    line = "from <<helper>> import helper\n"
+    engine = (Edit("vllm/v1/worker/utils.py", "x", line),)
+    with pytest.raises(series.SeriesError, match="generic engine file"):
+        series.resolve_modules(engine, {"helper": "vllm.models.m.h"}, "s")
+    (edit,) = series.resolve_modules(engine, {"helper": "vllm.v1.worker.h"}, "s")
+    assert edit.replacement == "from vllm.v1.worker.h import helper\n"
+    model = (Edit("vllm/models/m/model.py", "x", line),)
+    (edit,) = series.resolve_modules(model, {"helper": "vllm.models.m.h"}, "s")
+    assert edit.replacement == "from vllm.models.m.h import helper\n"
+
+
 def test_every_file_of_ours_in_exactly_one_patch() -> None:
     patches = series.build_series(ROOT)
     names = series.seam_names(ROOT)

@@ -37,6 +37,12 @@ PLUGIN_DIR = "vllm/plugins/kimi_k3_dsa"
 OVERLAY_ONLY_MARKER = "overlay_only"
 
 _K3 = "vllm/models/kimi_k3"
+# Our one generic module of vLLM's engine: it knows no model, and the series'
+# edits of generic engine files import our helpers from it only.
+GENERIC_ENGINE_MODULE = "vllm/v1/worker/kernel_pages.py"
+# Upstream files of the generic engine, which must not import model code.
+ENGINE_PREFIXES = ("vllm/v1/", "vllm/platforms/")
+MODELS_PACKAGE = "vllm.models."
 
 
 class SeriesError(RuntimeError):
@@ -106,17 +112,27 @@ MODULE_GROUPS: tuple[Group, ...] = (
         ),
     ),
     Group(
+        "kernel_pages",
+        "[Core] Kernel pages of packed token caches: page views and slots",
+        "Generic helpers of the engine, for any model: the strided kernel-page\n"
+        "view of one cache of a packed (block-outermost) KV cache, the slots\n"
+        "that address those pages, the attention-backend capability that says\n"
+        "who puts a split token cache's writes at kernel-page slots, and the\n"
+        "runners' slot mappings in kernel pages (Model Runner V2 and V1).\n"
+        "Nothing calls them yet; the kernel_block_split and mla_page_slots\n"
+        "patches later in this series wire them into the runners.",
+        (GENERIC_ENGINE_MODULE,),
+    ),
+    Group(
         "cache",
-        "[Model] Kimi K3.1 DSA: indexer cache, packed block size, kernel pages",
+        "[Model] Kimi K3.1 DSA: indexer cache and packed block size",
         "The indexer key cache and its metadata builder, the FlashMLA sparse\n"
-        "backend of the DSA layers, the byte arithmetic of the packed block row\n"
-        "(MLA + indexer + draft pages per token, its KDA states) and the\n"
-        "64-token kernel-page views and slots of that row.",
+        "backend of the DSA layers (which declare that they write their split\n"
+        "caches at kernel-page slots) and the byte arithmetic of the packed\n"
+        "block row (MLA + indexer + draft pages per token, its KDA states).",
         (
             f"{_K3}/common/dsa_cache*.py",
             f"{_K3}/common/dsa_block_size*.py",
-            f"{_K3}/common/dsa_pages*.py",
-            f"{_K3}/common/dsa_slot*.py",
         ),
     ),
     Group(
@@ -295,22 +311,34 @@ def seam_imports(root: Path, name: str) -> dict[str, str]:
 def resolve_modules(edits: Iterable[Edit], imports: dict[str, str], seam: str):
     """Replace each ``<<name>>`` in the edits by the module the plugin seam
     imports ``name`` from: the in-tree edit calls the very function the seam
-    calls, wherever the model code keeps it."""
+    calls, wherever the model code keeps it. An edit of a generic engine file
+    (:data:`ENGINE_PREFIXES`) may not import from a model's folder: a
+    generic helper it calls lives in a generic module."""
 
-    def module(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name not in imports:
-            raise SeriesError(
-                f"the in-tree edit of seam {seam} uses {name}, which "
-                f"{PLUGIN_DIR}/{seam}.py does not import"
-            )
-        return imports[name]
+    def resolver(path: str):
+        def module(match: re.Match[str]) -> str:
+            name = match.group(1)
+            if name not in imports:
+                raise SeriesError(
+                    f"the in-tree edit of seam {seam} uses {name}, which "
+                    f"{PLUGIN_DIR}/{seam}.py does not import"
+                )
+            found = imports[name]
+            if path.startswith(ENGINE_PREFIXES) and found.startswith(MODELS_PACKAGE):
+                raise SeriesError(
+                    f"the in-tree edit of seam {seam} in {path}, a generic engine "
+                    f"file, imports {name} from {found}, a model's folder: move "
+                    f"{name} to a generic module (e.g. {GENERIC_ENGINE_MODULE})"
+                )
+            return found
+
+        return module
 
     return tuple(
         Edit(
             e.path,
-            _PLACEHOLDER.sub(module, e.anchor),
-            _PLACEHOLDER.sub(module, e.replacement),
+            _PLACEHOLDER.sub(resolver(e.path), e.anchor),
+            _PLACEHOLDER.sub(resolver(e.path), e.replacement),
         )
         for e in edits
     )

@@ -30,16 +30,17 @@ EDITS = (
     ),
     insert_after(
         _UTILS,
+        "from vllm.v1.worker.block_table import get_block_table_width\n",
+        "from <<split_packed_rows_into_kernel_pages>> import split_packed_rows_into_kernel_pages\n",
+    ),
+    insert_after(
+        _UTILS,
         "        kernel_rows = spec.get_num_kernel_states(self.kernel_block_size)\n"
         "        if kv_cache.shape[-2] == kernel_rows:\n"
         "            return kv_cache\n",
         "        if spec.tokens_per_state == 1 and self.backend.token_cache_kernel_page_slots:\n"
         "            # Written at kernel-page slots (see AttentionBackend), so a\n"
         "            # token cache of this backend can be split.\n"
-        "            from <<split_packed_rows_into_kernel_pages>> import (\n"
-        "                split_packed_rows_into_kernel_pages,\n"
-        "            )\n"
-        "\n"
         "            view, self.kernel_block_stride = split_packed_rows_into_kernel_pages(\n"
         "                kv_cache, kernel_rows\n"
         "            )\n"

@@ -18,6 +18,11 @@ EDITS = (
     # (the target's, the speculators', the micro-batches').
     insert_after(
         _V2_BLOCK_TABLE,
+        "    UvaBackedTensor,\n    _load_ptr,\n)\n",
+        "from <<remap_slot_mapping_rows>> import remap_slot_mapping_rows\n",
+    ),
+    insert_after(
+        _V2_BLOCK_TABLE,
         "        self.num_kv_cache_groups = len(self.block_sizes)\n",
         "        # KV cache group id -> kernel-page addressing of the groups whose\n"
         "        # split token caches are written at kernel-page slots computed\n"
@@ -28,11 +33,12 @@ EDITS = (
         _V2_BLOCK_TABLE,
         "        return slot_mappings[:, :num_tokens_padded]\n",
         "        if self.kernel_page_slot_groups:\n"
-        "            from <<remap_slot_mapping_rows>> import (\n"
-        "                remap_slot_mapping_rows,\n"
-        "            )\n"
-        "\n"
         "            remap_slot_mapping_rows(slot_mappings, self.kernel_page_slot_groups)\n",
+    ),
+    insert_before(
+        _V2_RUNNER,
+        "from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin\n",
+        "from <<configure_block_tables>> import configure_block_tables\n",
     ),
     insert_after(
         _V2_RUNNER,
@@ -42,27 +48,22 @@ EDITS = (
         "        # Which groups' slots address kernel pages (split caches whose\n"
         "        # backend takes its slots from the runner), now that binding the\n"
         "        # caches set the kernel block strides.\n"
-        "        if any(\n"
-        "            group.kernel_block_stride\n"
-        "            for groups in self.attn_groups\n"
-        '            + getattr(self.speculator, "attn_groups", [])\n'
-        "            for group in groups\n"
-        "        ):\n"
-        "            from <<configure_block_tables>> import (\n"
-        "                configure_block_tables,\n"
-        "            )\n"
-        "\n"
-        "            configure_block_tables(\n"
-        "                self.block_tables,\n"
-        "                (\n"
-        "                    group\n"
-        "                    for groups in self.attn_groups\n"
-        '                    + getattr(self.speculator, "attn_groups", [])\n'
-        "                    for group in groups\n"
-        "                ),\n"
-        "            )\n",
+        "        configure_block_tables(\n"
+        "            self.block_tables,\n"
+        "            (\n"
+        "                group\n"
+        "                for groups in self.attn_groups\n"
+        '                + getattr(self.speculator, "attn_groups", [])\n'
+        "                for group in groups\n"
+        "            ),\n"
+        "        )\n",
     ),
     # V1 runner.
+    insert_before(
+        _RUNNER,
+        "from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin\n",
+        "from <<remap_slot_mappings>> import remap_slot_mappings\n",
+    ),
     insert_after(
         _RUNNER,
         "        slot_mappings_by_gid = {\n"
@@ -72,15 +73,6 @@ EDITS = (
         "        # A KV cache group whose split token cache takes its slots from the\n"
         "        # runner (token_cache_kernel_page_slots) is written at kernel-page\n"
         "        # slots.\n"
-        "        if any(\n"
-        "            group.kernel_block_stride\n"
-        '            for groups in getattr(self, "attn_groups", ())\n'
-        "            for group in groups\n"
-        "        ):\n"
-        "            from <<remap_slot_mappings>> import (\n"
-        "                remap_slot_mappings,\n"
-        "            )\n"
-        "\n"
-        "            remap_slot_mappings(self, slot_mappings_by_gid)\n",
+        "        remap_slot_mappings(self, slot_mappings_by_gid)\n",
     ),
 )

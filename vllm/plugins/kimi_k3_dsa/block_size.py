@@ -32,6 +32,8 @@ In-tree edit: at the top of ``_align_hybrid_block_size``, resolve the model
 class and, where it has ``get_hybrid_block_size`` and that returns a size,
 set ``cache_config.block_size`` (and ``mamba_block_size`` in ``align`` mode),
 leave the states unpadded and return; the Kimi K3 classes get the classmethod.
+The platform is the only writer of that size: the hook computes it and
+changes nothing.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def model_hybrid_block_size(
 ) -> int | None:
     """What the in-tree ``_align_hybrid_block_size`` does first: ask the
     model class's hook and apply the block size it returns (None: the
-    platform's own rule follows)."""
+    platform's own rule follows). The one place that writes the hook's size
+    into ``cache_config``: the hook only computes it."""
     from vllm.config.vllm import set_current_vllm_config
     from vllm.model_executor.models import ModelRegistry
 

@@ -27,14 +27,16 @@ the runner asks the backend, never a model's type. Kimi K3.1's
 In-tree edit: ``AttentionBackend.token_cache_kernel_page_slots: ClassVar[str |
 None] = None``; in ``map_kv_cache_to_kernel_blocks``, before the ``if`` that
 raises, a token cache whose backend declares it is split
-(``split_packed_rows_into_kernel_pages``) and its kernel block stride kept.
+(``split_packed_rows_into_kernel_pages``, from the engine's generic module
+:mod:`vllm.v1.worker.kernel_pages`, which the series adds at that path) and
+its kernel block stride kept.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm.models.kimi_k3.common.dsa_pages import (
+from vllm.v1.worker.kernel_pages import (
     TOKEN_CACHE_KERNEL_PAGE_SLOTS,
     split_packed_rows_into_kernel_pages,
     token_cache_kernel_page_slots,
@@ -50,7 +52,14 @@ def _map_kv_cache_to_kernel_blocks(original: Any, group: Any, kv_cache: Any) -> 
         or token_cache_kernel_page_slots(group.backend) is None
     ):
         return original(group, kv_cache)
-    assert group.kernel_block_size is not None
+    if group.kernel_block_size is None:
+        # 0.33.0's own method asserts this too: the runner sets the kernel
+        # block size of every group before it binds the caches.
+        raise RuntimeError(
+            f"{group.backend.get_name()}: the KV cache of KV cache group "
+            f"{group.kv_cache_group_id} is bound before its kernel block size "
+            "was chosen"
+        )
     kernel_rows = spec.get_num_kernel_states(group.kernel_block_size)
     if kv_cache.shape[-2] == kernel_rows:
         return kv_cache

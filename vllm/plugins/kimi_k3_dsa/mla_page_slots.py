@@ -40,8 +40,9 @@ records on its ``BlockTables`` which groups' slots address kernel pages
 ``"runner"``), and ``compute_slot_mappings`` remaps those rows of the
 mappings it computed (``remap_slot_mapping_rows``); in V1's
 ``_get_slot_mappings``, right after the per-group slot mappings are built,
-``remap_slot_mappings(self, slot_mappings_by_gid)``
-(:mod:`vllm.models.kimi_k3.common.dsa_slot_mappings`).
+``remap_slot_mappings(self, slot_mappings_by_gid)``. These helpers know no
+model: they live in the engine's generic module
+:mod:`vllm.v1.worker.kernel_pages`, which the series adds at that path.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# The logic lives in the cache layer (vLLM's tree calls it from the runners);
-# re-exported for callers of this seam.
-from vllm.models.kimi_k3.common.dsa_slot_mappings import (
+# The logic lives in the engine's generic module (vLLM's tree calls it from
+# the runners); re-exported for callers of this seam.
+from vllm.v1.worker.kernel_pages import (
     BLOCK_TABLES_ATTR,
     configure_block_tables,
     remap_slot_mapping_rows,

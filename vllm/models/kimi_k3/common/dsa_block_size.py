@@ -8,8 +8,11 @@ DSA layer's MLA and indexer pages (plus a dense MLA draft's pages) and, in
 the state groups, KDA states. The row's byte arithmetic and its size
 (:func:`~vllm.models.kimi_k3.common.dsa_cache.packed_dsa_block_size`) are
 :mod:`.dsa_cache`'s; this module measures the KDA state and the kernel
-alignment of an engine configuration, and the ``block_size`` seam applies the
-result in the worker (:func:`apply_packed_dsa_block_size`).
+alignment of an engine configuration, and the Kimi K3 model classes'
+``get_hybrid_block_size`` hook returns the resulting size
+(:func:`packed_hybrid_block_size`). The platform's
+``_align_hybrid_block_size``, which asks that hook, is the one place that
+writes it into ``cache_config`` (the ``block_size`` seam).
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ from vllm.models.kimi_k3.common.dsa_cache import (
     mla_page_bytes_per_token,
     packed_dsa_block_size,
 )
-from vllm.models.kimi_k3.common.dsa_pages import token_cache_kernel_page_slots
 from vllm.models.kimi_k3.common.dsa_verify import check_dsa_pcp
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,
     get_kv_quant_mode,
 )
+from vllm.v1.worker.kernel_pages import token_cache_kernel_page_slots
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -188,18 +191,18 @@ def check_token_cache_splits(
         )
 
 
-def apply_packed_dsa_block_size(
+def packed_dsa_block_size_for(
     vllm_config: VllmConfig,
     kernel_block_sizes: list[int],
     checkpoint_alignment: int | None = None,
 ) -> int | None:
-    """Set ``cache_config.block_size`` of a KDA-hybrid DSA model from
-    :func:`packed_dsa_block_size`; None (and nothing changed) for any other
-    model.
+    """The block size of a KDA-hybrid DSA model's packed row on this engine
+    configuration (:func:`packed_dsa_block_size`); None for any other model.
 
-    The KDA states are not padded to a block: in the packed layout a block
-    row holds ``states_per_row`` of them at their own size, so
-    ``mamba_page_size_padded`` stays unset.
+    Computes only: the platform applies the size the model class's hook
+    returns (``cache_config.block_size``, and ``mamba_block_size`` in
+    ``align`` mode), and leaves the KDA states unpadded, since a packed block
+    row holds ``states_per_row`` of them at their own size.
     """
     if not is_kda_hybrid_dsa(vllm_config):
         return None
@@ -211,7 +214,8 @@ def apply_packed_dsa_block_size(
         kda_state_bytes_for(vllm_config),
         packed_dsa_alignment(kernel_block_sizes, checkpoint_alignment),
     )
-    assert block_size is not None
+    if block_size is None:
+        return None
     if cache_config.user_specified_block_size and cache_config.block_size != (
         block_size
     ):
@@ -221,10 +225,6 @@ def apply_packed_dsa_block_size(
             cache_config.block_size,
             block_size,
         )
-    cache_config.block_size = block_size
-    cache_config.mamba_page_size_padded = None
-    if cache_config.mamba_cache_mode == "align":
-        cache_config.mamba_block_size = block_size
     logger.info("Kimi-K3.1 DSA: packed KV cache block size %d tokens.", block_size)
     return block_size
 
@@ -234,9 +234,9 @@ def packed_hybrid_block_size(
 ) -> int | None:
     """The Kimi K3 model classes' ``get_hybrid_block_size`` hook, which the
     platform's ``_align_hybrid_block_size`` asks before its own rule: the
-    packed DSA row's block size for a KDA-hybrid DSA model (applied to
-    ``cache_config`` by :func:`apply_packed_dsa_block_size`), None (the
-    platform's rule) for any other model.
+    packed DSA row's block size for a KDA-hybrid DSA model (the platform
+    writes it into ``cache_config``), None (the platform's rule) for any
+    other model.
 
     ``backend_classes`` are the model's attention backends; a packed block
     that one of them would have to split without writing at kernel-page
@@ -254,9 +254,10 @@ def packed_hybrid_block_size(
         if vllm_config.cache_config.mamba_cache_mode == "align"
         else None
     )
-    block_size = apply_packed_dsa_block_size(
+    block_size = packed_dsa_block_size_for(
         vllm_config, backend_kernel_block_alignments(backend_classes), checkpoint
     )
-    assert block_size is not None
+    if block_size is None:
+        return None
     check_token_cache_splits(vllm_config, backend_classes, block_size)
     return block_size

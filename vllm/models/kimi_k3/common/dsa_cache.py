@@ -34,10 +34,6 @@ from vllm.models.kimi_k3.common import dsa_formats
 from vllm.models.kimi_k3.common.dsa_config import check_mxfp4_indexer
 from vllm.models.kimi_k3.common.dsa_envs import mla_kernel_pages_forced
 from vllm.models.kimi_k3.common.dsa_formats import MLA_KERNEL_PAGE_TOKENS
-from vllm.models.kimi_k3.common.dsa_pages import (
-    SLOTS_FROM_BUILDER,
-    SLOTS_FROM_RUNNER,
-)
 from vllm.models.kimi_k3.common.dsa_verify import check_dsa_pcp
 from vllm.utils.math_utils import cdiv, round_up
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
@@ -58,6 +54,10 @@ from vllm.v1.kv_cache_interface import (
     KVCacheLayout,
     MLAAttentionSpec,
     get_kv_quant_mode,
+)
+from vllm.v1.worker.kernel_pages import (
+    SLOTS_FROM_BUILDER,
+    SLOTS_FROM_RUNNER,
 )
 
 if TYPE_CHECKING:

@@ -142,7 +142,13 @@ def pack_projections(layer: nn.Module) -> list[torch.Tensor]:
 def fused_attention(layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Packed GEMM, the fused prologue (norms, both cache inserts, top-k
     fill), packed query GEMM, indexer scoring, sparse MLA."""
-    assert layer.q_lora_rank is not None and layer._packed is not None
+    if layer.q_lora_rank is None or layer._packed is None:
+        # fused_forward_blockers refuses a layer without q-LoRA, and the
+        # layer packs its projections before it switches this path on.
+        raise RuntimeError(
+            "Kimi-K3.1 DSA fused forward of a layer without q-LoRA or packed "
+            "projections"
+        )
     indexer = layer.dsa_indexer
     attn = cast(Any, layer.mla_attn.mla_attn)
     input_weight, query_weight = layer._packed
@@ -165,17 +171,29 @@ def fused_attention(layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tens
     forward_context = get_forward_context()
     attn_metadata = forward_context.attn_metadata
     if isinstance(attn_metadata, dict) and attn.kv_cache.numel() > 0:
-        assert isinstance(forward_context.slot_mapping, dict)
-        has_prefills = cast(Any, attn_metadata[attn.layer_name]).num_prefills > 0
+        slot_mapping = forward_context.slot_mapping
         index_metadata = attn_metadata[indexer.k_cache.prefix]
-        assert isinstance(index_metadata, v32_indexer.DeepseekV32IndexerMetadata)
+        if not isinstance(slot_mapping, dict) or not isinstance(
+            index_metadata, v32_indexer.DeepseekV32IndexerMetadata
+        ):
+            raise RuntimeError(
+                f"{attn.layer_name}: the fused forward needs per-layer slot "
+                "mappings and DeepseekV32IndexerMetadata, got "
+                f"{type(slot_mapping).__name__} and "
+                f"{type(index_metadata).__name__}"
+            )
+        has_prefills = cast(Any, attn_metadata[attn.layer_name]).num_prefills > 0
         caches = (
             attn.kv_cache,
-            forward_context.slot_mapping[attn.layer_name],
+            slot_mapping[attn.layer_name],
             indexer.k_cache.kv_cache,
             index_metadata.slot_mapping,
         )
-    assert indexer.topk_indices_buffer is not None
+    if indexer.topk_indices_buffer is None:
+        raise RuntimeError(
+            f"{indexer.k_cache.prefix}: the indexer was built without the "
+            "model's top-k buffer (topk_indices_buffer)"
+        )
     k_norm = cast(KimiK3DSAIndexerKNorm, indexer.k_index_norm)
     # One eps for the three norms (checked in pack_projections).
     prologue = dsa_fused_prologue

@@ -318,8 +318,16 @@ class KimiK3DSAIndexer(nn.Module):
         if not isinstance(attn_metadata, dict) or kv_cache.numel() == 0:
             return
         metadata = attn_metadata[self.k_cache.prefix]
-        assert isinstance(metadata, v32_indexer.DeepseekV32IndexerMetadata)
-        assert self.topk_indices_buffer is not None
+        if not isinstance(metadata, v32_indexer.DeepseekV32IndexerMetadata):
+            raise RuntimeError(
+                f"{self.k_cache.prefix}: the indexer cache's metadata is a "
+                f"{type(metadata).__name__}, not DeepseekV32IndexerMetadata"
+            )
+        if self.topk_indices_buffer is None:
+            raise RuntimeError(
+                f"{self.k_cache.prefix}: the indexer was built without the "
+                "model's top-k buffer (topk_indices_buffer)"
+            )
         norm = cast(KimiK3DSAIndexerKNorm, self.k_index_norm)
         insert = indexer_k_norm_quant_insert
         if self.use_fp4_cache:
