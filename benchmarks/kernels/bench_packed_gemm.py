@@ -117,11 +117,12 @@ DEFAULT_MAX_CANDIDATES = 3
 MIN_GAIN = 0.05
 CHECK_RTOL = 2.0**-7
 # CuTe JIT compile of one config, seconds: BASE + PER_ROW * M (every row of
-# A is unrolled; unroll and outputs per block matter far less). From
-# compiles on a CPU without a GPU (CUTE_DSL_ARCH=sm_90a): about 1.3 s at
-# M=1 and 2 s at M=4 lightly loaded, up to 5x that on a loaded 2-core box.
+# A is unrolled; unroll and outputs per block matter far less). Fitted to
+# compiles of the default plan's configs for sm_90a on a CPU without a GPU
+# (CUTE_DSL_ARCH=sm_90a; all compiled): 1.6 to 1.8 s at M=1, 3.3 to 6.3 s at
+# M=10..16 while that 2-core box was lightly loaded, up to 5x that loaded.
 COMPILE_S_BASE = 1.2
-COMPILE_S_PER_ROW = 0.25
+COMPILE_S_PER_ROW = 0.3
 # Per timed (config, shape, M) point: check, capture, replays.
 POINT_S = 0.15
 # Imports, copy bandwidth, weight sets.
