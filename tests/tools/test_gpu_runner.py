@@ -115,3 +115,19 @@ def test_the_named_suites_exist():
     assert {"e2e", "kernels", "timing", "fidelity", "layer-small"} <= set(run.SUITES)
     for suite in run.SUITES.values():
         assert "$LOGS" in suite.command
+
+
+def test_the_packed_gemm_suite_has_the_cute_dsl_after_vllm():
+    sys.path.insert(0, str(RUNNER.parent))
+    try:
+        import run
+    finally:
+        sys.path.remove(str(RUNNER.parent))
+    suite = run.SUITES["packed-gemm"]
+    assert "bench_packed_gemm.py" in suite.command
+    assert "--json $LOGS/packed_gemm.json" in suite.command
+    path = suite.env["PYTHONPATH"].split(":")
+    assert path[0] == str(run.SITE)
+    assert str(run.SITE_CUTE) in path[1:]
+    assert suite.env["VLLM_KIMI_K3_GEMM_AR"] == "0"
+    assert suite.timeout_s <= 600

@@ -45,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_STATE = ROOT / "build" / "gpu"
 STAGE = Path("/tmp/offline-vllm")
 SITE = Path("/tmp/site")
+# Where tools/offline-vllm's install_cutedsl.sh puts the CuTe DSL.
+SITE_CUTE = Path("/tmp/site-cute")
 CONSUMERS = Path("/tmp/kimi-k3-consumers")
 # What a vLLM process needs on the host (tools/offline-vllm's README): no
 # FlashInfer, no CuTe DSL.
@@ -55,6 +57,16 @@ VLLM_ENV = {
     "VLLM_ENABLE_GEMM_RS": "0",
 }
 KERNEL_ENV = {"KIMI_K3_DEVICE_DIR": str(CONSUMERS)}
+# vLLM's environment with the CuTe DSL after vLLM on the path. ``cutlass``
+# itself sits in nvidia_cutlass_dsl/dsl_packages, which the wheel adds
+# through a .pth file; Python reads .pth files in site-packages only, not in
+# a PYTHONPATH folder (a pip --target install), so it is named here.
+CUTE_ENV = {
+    **VLLM_ENV,
+    "PYTHONPATH": ":".join(
+        map(str, (SITE, SITE_CUTE, SITE_CUTE / "nvidia_cutlass_dsl" / "dsl_packages"))
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -114,6 +126,13 @@ SUITES: dict[str, Suite] = {
         900,
         "DSA fused against dense MLA end to end, one engine start each "
         "(the full grid, the wrapper included, is benchmarks/e2e's default)",
+    ),
+    "packed-gemm": Suite(
+        "python3 benchmarks/kernels/bench_packed_gemm.py --json $LOGS/packed_gemm.json",
+        CUTE_ENV,
+        420,
+        "the packed DSA GEMMs: cuBLAS against the CuTe skinny GEMM's heuristic "
+        "and candidate configs (alone on the GPU; needs the CuTe DSL)",
     ),
     "layer-small": Suite(
         "python3 benchmarks/layer/bench_dsa_layer.py --layers fused wrapper v32 "
