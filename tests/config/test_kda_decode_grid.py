@@ -239,3 +239,19 @@ def test_no_op_off_cuda(tiny_checkpoint, engine_config):
     config = build(tiny_checkpoint, engine_config, TRITON_HEADS, TRITON_BOUND + 1)
     verify(config)
     check_kda_decode_grid(config)
+
+
+def test_native_path_resolved_from_heads_per_rank(
+    tiny_checkpoint, engine_config, monkeypatch
+):
+    """192 KDA heads at TP 2 are 96 a rank, which the native decode takes:
+    the resolution sees the heads per rank, as the layer passes them."""
+    config = build(
+        tiny_checkpoint, engine_config, 2 * NATIVE_HEADS, 1024, tensor_parallel_size=2
+    )
+    as_h200(monkeypatch, native_op=True)
+    verify(config)
+    as_h200(monkeypatch, native_op=False)
+    message = refusal(config)
+    assert f"{NATIVE_HEADS} KDA heads per rank" in message
+    assert f"accepted: at most {CUDA_MAX_GRID_Y // NATIVE_HEADS}" in message

@@ -8,11 +8,11 @@ entries ``KimiK3ForConditionalGeneration`` and ``KimiK3MTPModel``
 entry.
 
 Why: a DSA model must run with the ``fp8_ds_mla`` cache and must be refused at
-config time when it cannot be served. Any Kimi K3 model (DSA or not) is refused
-there too when its KDA layers would decode with vLLM 0.33.0's Triton KDA decode
-at a ``max_num_seqs`` beyond that kernel's launch grid. The runner resolves the KV cache dtype
+config time when it cannot be served. The runner resolves the KV cache dtype
 from ``cache_config.cache_dtype`` before the model is built, so the forcing
-belongs in the verifier, never in the model.
+belongs in the verifier, never in the model. Any Kimi K3 model (DSA or not) is
+refused there too when its KDA layers would decode with vLLM 0.33.0's Triton
+KDA decode at a ``max_num_seqs`` beyond that kernel's launch grid.
 
 The MTP draft's model config is verified too, as it is built: a Kimi K3.1
 checkpoint without MTP layers is refused there, before vLLM's
