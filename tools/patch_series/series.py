@@ -144,6 +144,17 @@ MODULE_GROUPS: tuple[Group, ...] = (
         "Kimi K3's decoder does not build them yet (see the dsa_layers patch).",
         (f"{_K3}/nvidia/dsa*.py",),
     ),
+    Group(
+        "kda-grid",
+        "[Model] Kimi K3: refuse a max_num_seqs the Triton KDA decode cannot launch",
+        "The Triton KDA decode (fused_recurrent_kda_packed_decode), which Kimi\n"
+        "K3's KDA layer falls back to where the native fused decode does not\n"
+        "apply, launches decode requests x KDA heads per rank on CUDA's grid y\n"
+        "(at most 65535). check_kda_decode_grid refuses a larger max_num_seqs\n"
+        "when resolve_kda_decode_backend would pick that path; the config\n"
+        "verifier patch later in this series calls it.",
+        (f"{_K3}/nvidia/kda_decode_grid.py",),
+    ),
 )
 
 KERNELS = Group(

@@ -2,12 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # ruff: noqa: E501 (the strings quote lines of vLLM's files verbatim)
 """In-tree edit of the ``config_verifier`` seam: the Kimi K3 verifier (and a
-new Kimi-Linear one) applies the DSA rules; the MTP draft's verifier refuses a
-checkpoint without MTP layers."""
+new Kimi-Linear one) applies the DSA rules and the Triton KDA decode's batch
+limit; the MTP draft's verifier refuses a checkpoint without MTP layers."""
 
 from patch_series.edits import Edit, insert_after
 
-SUBJECT = "[Model] Kimi K3.1: verify DSA configs (fp8_ds_mla cache, DSA rules)"
+SUBJECT = (
+    "[Model] Kimi K3.1: verify DSA configs (fp8_ds_mla cache, DSA rules) and "
+    "the Triton KDA decode's max_num_seqs"
+)
 
 _CONFIG = "vllm/model_executor/models/config.py"
 
@@ -21,20 +24,26 @@ EDITS = (
         "    @staticmethod\n"
         '    def verify_and_update_config(vllm_config: "VllmConfig") -> None:\n'
         "        # Kimi K3.1 (text_config.dsa_config): the fp8_ds_mla cache and the\n"
-        "        # DSA rules; plain Kimi K3 passes unchanged.\n"
+        "        # DSA rules; plain Kimi K3 passes them unchanged. Every Kimi K3:\n"
+        "        # max_num_seqs within the Triton KDA decode's launch grid.\n"
         "        from <<verify_dsa_vllm_config>> import verify_dsa_vllm_config\n"
+        "        from <<check_kda_decode_grid>> import check_kda_decode_grid\n"
         "\n"
         "        verify_dsa_vllm_config(vllm_config)\n"
+        "        check_kda_decode_grid(vllm_config)\n"
         "\n"
         "\n"
         "class KimiLinearForCausalLMConfig(VerifyAndUpdateConfig):\n"
-        '    """Kimi-Linear and the text-only Kimi K3(.1): the DSA rules only."""\n'
+        '    """Kimi-Linear and the text-only Kimi K3(.1): the DSA rules and the\n'
+        '    Triton KDA decode\'s batch limit only."""\n'
         "\n"
         "    @staticmethod\n"
         '    def verify_and_update_config(vllm_config: "VllmConfig") -> None:\n'
         "        from <<verify_dsa_vllm_config>> import verify_dsa_vllm_config\n"
+        "        from <<check_kda_decode_grid>> import check_kda_decode_grid\n"
         "\n"
         "        verify_dsa_vllm_config(vllm_config)\n"
+        "        check_kda_decode_grid(vllm_config)\n"
         "\n"
         "\n"
         "class KimiK3MTPModelConfig(KimiK3ForConditionalGenerationConfig):\n"

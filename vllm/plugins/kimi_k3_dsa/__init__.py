@@ -21,8 +21,10 @@ Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
 ``config_verifier``      ``model_executor/models/config.py``
                          ``MODELS_CONFIG_MAP`` -> DSA rules (PCP refused,
                          top-k, MLA dims, indexer dtype, parallelism) and
-                         ``fp8_ds_mla`` in the Kimi K3 verifier; the MTP
-                         draft's refuses a checkpoint without MTP layers
+                         ``fp8_ds_mla`` in the Kimi K3 verifier, and for
+                         every Kimi K3 a ``max_num_seqs`` within the Triton
+                         KDA decode's launch grid; the MTP draft's refuses a
+                         checkpoint without MTP layers
 ``block_size``           ``platforms/interface.py``
                          ``Platform._align_hybrid_block_size`` -> first ask
                          the model class's optional ``get_hybrid_block_size``
@@ -74,7 +76,9 @@ Patch module             Remove when vLLM ...
 ``hf_config``            parses ``dsa_config`` on ``KimiLinearConfig``
 ``envs``                 lists the ``VLLM_KIMI_K3_DSA_*`` variables in
                          ``envs.environment_variables``
-``config_verifier``      verifies DSA models in its Kimi K3 verifier
+``config_verifier``      verifies DSA models in its Kimi K3 verifier and
+                         bounds ``max_num_seqs`` by the Triton KDA decode's
+                         grid (or that kernel no longer has the limit)
 ``block_size``           asks a model-class hook for the hybrid block size
                          in ``_align_hybrid_block_size`` and the Kimi K3
                          classes size the packed DSA row there

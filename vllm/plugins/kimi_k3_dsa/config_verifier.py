@@ -10,7 +10,9 @@ entry.
 Why: a DSA model must run with the ``fp8_ds_mla`` cache and must be refused at
 config time when it cannot be served. The runner resolves the KV cache dtype
 from ``cache_config.cache_dtype`` before the model is built, so the forcing
-belongs in the verifier, never in the model.
+belongs in the verifier, never in the model. Any Kimi K3 model (DSA or not) is
+refused there too when its KDA layers would decode with vLLM 0.33.0's Triton
+KDA decode at a ``max_num_seqs`` beyond that kernel's launch grid.
 
 The MTP draft's model config is verified too, as it is built: a Kimi K3.1
 checkpoint without MTP layers is refused there, before vLLM's
@@ -18,8 +20,9 @@ checkpoint without MTP layers is refused there, before vLLM's
 
 In-tree edit: a ``verify_and_update_config`` on
 ``KimiK3ForConditionalGenerationConfig`` calling
-:func:`~vllm.models.kimi_k3.common.dsa_verify.verify_dsa_vllm_config`, and the
-same hook registered for ``KimiLinearForCausalLM``; its
+:func:`~vllm.models.kimi_k3.common.dsa_verify.verify_dsa_vllm_config` and
+:func:`~vllm.models.kimi_k3.nvidia.kda_decode_grid.check_kda_decode_grid`, and
+the same hook registered for ``KimiLinearForCausalLM``; its
 ``verify_and_update_model_config`` also calls
 :func:`~vllm.models.kimi_k3.common.dsa_verify.verify_dsa_mtp_draft` for the
 ``KimiK3MTPModel`` draft.
@@ -37,17 +40,20 @@ from vllm.models.kimi_k3.common.dsa_verify import (
     verify_dsa_mtp_draft,
     verify_dsa_vllm_config,
 )
+from vllm.models.kimi_k3.nvidia.kda_decode_grid import check_kda_decode_grid
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
 
 
 class KimiK3DSAVerifier(KimiK3ForConditionalGenerationConfig):
-    """0.33.0's Kimi K3 verifier (MXFP4 expert routing) plus the DSA rules."""
+    """0.33.0's Kimi K3 verifier (MXFP4 expert routing) plus the DSA rules and
+    the Triton KDA decode's batch limit."""
 
     @staticmethod
     def verify_and_update_config(vllm_config: VllmConfig) -> None:
         verify_dsa_vllm_config(vllm_config)
+        check_kda_decode_grid(vllm_config)
 
 
 class KimiK3MTPDSAVerifier(KimiK3DSAVerifier):
@@ -63,11 +69,13 @@ class KimiK3MTPDSAVerifier(KimiK3DSAVerifier):
 
 
 class KimiLinearDSAVerifier(VerifyAndUpdateConfig):
-    """Kimi-Linear had no verifier: only the DSA rules, nothing else."""
+    """Kimi-Linear had no verifier: only the DSA rules and the Triton KDA
+    decode's batch limit (Kimi K3's KDA layer), nothing else."""
 
     @staticmethod
     def verify_and_update_config(vllm_config: VllmConfig) -> None:
         verify_dsa_vllm_config(vllm_config)
+        check_kda_decode_grid(vllm_config)
 
 
 VERIFIERS: dict[str, type[VerifyAndUpdateConfig]] = {
