@@ -113,10 +113,10 @@ SUITES: dict[str, Suite] = {
     "dcp1gpu": Suite(
         "python3 -m pytest -m gpu -v -p no:cacheprovider "
         "tests/kernels/test_dsa_dcp2_one_gpu.py >$LOGS/pytest.log 2>&1",
-        {**VLLM_ENV, **KERNEL_ENV},
+        {**CUTE_ENV, **KERNEL_ENV},
         600,
         "DCP2's two ranks in one process against one rank (vLLM installed; "
-        "its top-k merge test also needs CuTe DSL on PYTHONPATH)",
+        "its top-k merge test also needs the CuTe DSL, staged or skipped)",
     ),
     "e2e-bench-quick": Suite(
         "python3 benchmarks/e2e/bench_e2e_dsa.py "
@@ -133,6 +133,16 @@ SUITES: dict[str, Suite] = {
         420,
         "the packed DSA GEMMs: cuBLAS against the CuTe skinny GEMM's heuristic "
         "and candidate configs (alone on the GPU; needs the CuTe DSL)",
+    ),
+    "layer-profile": Suite(
+        "python3 benchmarks/layer/bench_dsa_layer.py --layers fused wrapper "
+        "dense-bf16 dense-fp8 --tp-heads 12 --decode-batches 1 8 64 "
+        "--contexts 131072 --prefill-chunks --reps 30 --profile "
+        "--json $LOGS/layer.json",
+        VLLM_ENV,
+        600,
+        "the decode step at 128K, one TP 8 rank's heads: DSA against dense "
+        "MLA, per-stage kernel times and the host's metadata build",
     ),
     "layer-small": Suite(
         "python3 benchmarks/layer/bench_dsa_layer.py --layers fused wrapper v32 "
