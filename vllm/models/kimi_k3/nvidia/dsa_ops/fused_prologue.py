@@ -29,6 +29,7 @@ serves the three norms (the model checks they are equal).
 import torch
 
 from vllm.models.kimi_k3.nvidia.dsa_ops._extension import kimi_k3_ops
+from vllm.models.kimi_k3.nvidia.dsa_ops._variants import mxfp4_variant
 from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
     check_slot_bounds,
     resolve_mx_scales,
@@ -98,41 +99,9 @@ def dsa_fused_prologue(
     return q_c_out, kv_c_out
 
 
-def mxfp4_fused_prologue(
-    q_c: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    index_k: torch.Tensor,
-    q_a_norm_weight: torch.Tensor,
-    kv_a_norm_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    k_norm_bias: torch.Tensor,
-    eps: float,
-    topk_indices_buffer: torch.Tensor,
-    mla_kv_cache: torch.Tensor | None = None,
-    mla_slot_mapping: torch.Tensor | None = None,
-    index_kv_cache: torch.Tensor | None = None,
-    index_slot_mapping: torch.Tensor | None = None,
-    *,
-    check_slots: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+mxfp4_fused_prologue = mxfp4_variant(
+    dsa_fused_prologue,
+    "mxfp4_fused_prologue",
     """:func:`dsa_fused_prologue` with MXFP4 indexer keys (68 bytes per token
-    at head dim 128, SM10x readers)."""
-    return dsa_fused_prologue(
-        q_c,
-        kv_c,
-        k_pe,
-        index_k,
-        q_a_norm_weight,
-        kv_a_norm_weight,
-        k_norm_weight,
-        k_norm_bias,
-        eps,
-        topk_indices_buffer,
-        mla_kv_cache,
-        mla_slot_mapping,
-        index_kv_cache,
-        index_slot_mapping,
-        fp4=True,
-        check_slots=check_slots,
-    )
+    at head dim 128, SM10x readers).""",
+)

@@ -34,6 +34,7 @@ default and always skipped while a CUDA graph is being captured).
 import torch
 
 from vllm.models.kimi_k3.nvidia.dsa_ops._extension import kimi_k3_ops
+from vllm.models.kimi_k3.nvidia.dsa_ops._variants import mxfp4_variant
 from vllm.models.kimi_k3.nvidia.dsa_ops.formats import use_mx_scales
 
 
@@ -104,29 +105,9 @@ def indexer_k_norm_quant_insert(
     )
 
 
-def mxfp4_k_norm_quant_insert(
-    index_k: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float,
-    slot_mapping: torch.Tensor,
-    kv_cache: torch.Tensor,
-    topk_indices_buffer: torch.Tensor,
-    num_tokens: int,
-    *,
-    check_slots: bool = False,
-) -> None:
+mxfp4_k_norm_quant_insert = mxfp4_variant(
+    indexer_k_norm_quant_insert,
+    "mxfp4_k_norm_quant_insert",
     """:func:`indexer_k_norm_quant_insert` with MXFP4 keys (68 bytes per token
-    at head dim 128, SM10x readers)."""
-    indexer_k_norm_quant_insert(
-        index_k,
-        weight,
-        bias,
-        eps,
-        slot_mapping,
-        kv_cache,
-        topk_indices_buffer,
-        num_tokens,
-        fp4=True,
-        check_slots=check_slots,
-    )
+    at head dim 128, SM10x readers).""",
+)

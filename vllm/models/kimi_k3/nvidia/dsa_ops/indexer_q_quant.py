@@ -37,8 +37,6 @@ row and never matter, since the weight is zero). ``reference.indexer_q_quant``
 is the contract the Triton kernels are tested against.
 """
 
-from typing import cast
-
 import torch
 
 from vllm.models.kimi_k3.common.dsa_formats import (
@@ -49,6 +47,7 @@ from vllm.models.kimi_k3.common.dsa_formats import (
     MXFP4_AMAX_FLOOR,
     MXFP4_BLOCK_SIZE,
 )
+from vllm.models.kimi_k3.nvidia.dsa_ops._variants import mxfp4_variant
 from vllm.models.kimi_k3.nvidia.dsa_ops.reference import (
     indexer_q_quant as reference_indexer_q_quant,
 )
@@ -347,19 +346,15 @@ def indexer_q_quant_fold_weights(
     return q_fp8, weights
 
 
-def mxfp4_q_quant(
-    index_q: torch.Tensor,
-    index_weights: torch.Tensor,
-    weight_scale: float,
-    padded_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# The return annotation narrows q_scale: an MXFP4 query always carries its
+# scales.
+mxfp4_q_quant = mxfp4_variant(
+    indexer_q_quant,
+    "mxfp4_q_quant",
     """The MXFP4 indexer query, its UE8M0 block scales and its fp32 weights
-    (:func:`indexer_q_quant` with ``fp4``; SM10x readers)."""
-    q_packed, q_scale, weights = indexer_q_quant(
-        index_q, index_weights, weight_scale, padded_heads, fp4=True
-    )
-    # An MXFP4 query always carries its scales.
-    return q_packed, cast(torch.Tensor, q_scale), weights
+    (:func:`indexer_q_quant` with ``fp4``; SM10x readers).""",
+    return_annotation=tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+)
 
 
 def _fp8_q_quant_triton(
