@@ -33,6 +33,7 @@ default and always skipped while a CUDA graph is being captured).
 
 import torch
 
+from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 from vllm.models.kimi_k3.nvidia.dsa_ops._extension import kimi_k3_ops
 from vllm.models.kimi_k3.nvidia.dsa_ops._variants import mxfp4_variant
 from vllm.models.kimi_k3.nvidia.dsa_ops.formats import use_mx_scales
@@ -85,12 +86,21 @@ def indexer_k_norm_quant_insert(
     mx_scales: bool | None = None,
     check_slots: bool = False,
 ) -> None:
-    """Indexer key insert (CUDA): fp8 keys (132 bytes per token at head dim
-    128) or, with ``fp4``, MXFP4 keys (68 bytes). ``mx_scales=None`` picks
-    the fp8 scale word the device's DeepGEMM reads."""
+    """Indexer key insert (CUDA; torch off CUDA): fp8 keys (132 bytes per
+    token at head dim 128) or, with ``fp4``, MXFP4 keys (68 bytes).
+    ``mx_scales=None`` picks the fp8 scale word the device's DeepGEMM reads."""
     mx_scales = resolve_mx_scales(fp4, mx_scales, kv_cache.device)
     if check_slots:
         check_slot_bounds(slot_mapping, kv_cache)
+    if reference.runs_torch_path(kv_cache):
+        if kv_cache.numel() == 0:
+            return
+        k = reference.k_norm(index_k[: slot_mapping.numel()], weight, bias, eps)
+        reference.write_indexer_entries(
+            k, slot_mapping, kv_cache, fp4=fp4, mx_scales=mx_scales
+        )
+        topk_indices_buffer[:num_tokens] = -1
+        return
     kimi_k3_ops().indexer_k_norm_quant_insert(
         index_k,
         weight,

@@ -47,10 +47,8 @@ from vllm.models.kimi_k3.common.dsa_formats import (
     MXFP4_AMAX_FLOOR,
     MXFP4_BLOCK_SIZE,
 )
+from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 from vllm.models.kimi_k3.nvidia.dsa_ops._variants import mxfp4_variant
-from vllm.models.kimi_k3.nvidia.dsa_ops.reference import (
-    indexer_q_quant as reference_indexer_q_quant,
-)
 
 try:
     import triton
@@ -317,13 +315,14 @@ def indexer_q_quant(
     ``index_q [T, H, D]`` and ``index_weights [T, H]`` may be strided views
     of GEMM outputs. Returns ``(q_quant, q_scale, weights)`` as described in
     the module docstring (``q_scale`` None for fp8): the triple
-    ``sparse_attn_indexer`` takes. CPU tensors run the reference.
+    ``sparse_attn_indexer`` takes. CPU tensors take the torch path (the
+    reference).
     """
     _check_inputs(index_q, index_weights, padded_heads, fp4)
-    if not index_q.is_cuda or not HAS_TRITON:
-        return reference_indexer_q_quant(
-            index_q, index_weights, weight_scale, padded_heads, fp4=fp4
-        )
+    if reference.runs_torch_path(index_q) or not HAS_TRITON:
+        q = reference.pad_heads(index_q.float(), padded_heads)
+        w = reference.pad_heads(index_weights.float(), padded_heads)
+        return reference.quantize_query(q, w, weight_scale, fp4=fp4)
     if fp4:
         return _mxfp4_q_quant_triton(index_q, index_weights, weight_scale, padded_heads)
     q_fp8, weights = _fp8_q_quant_triton(

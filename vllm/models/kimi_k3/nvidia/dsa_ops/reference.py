@@ -3,18 +3,27 @@
 """Pure-torch references of the DSA kernels: the contract they are tested
 against, byte for byte.
 
-One function per entry point, with its name and arguments
-(``fused_prologue``, ``indexer_k_insert``, ``indexer_q_quant``,
-``index_rope``), plus the pieces they are built from (``rms_norm``,
-``k_norm``, ``write_indexer_entries``). The semantics are documented beside
-each entry point; the byte encodings are ``formats.py``'s. Everything runs on
-CPU and CUDA tensors, which is what the GPU tests compare the kernels with
-and what the entry points run on CPU tensors.
+Each entry point runs its own pure-torch path on tensors that are not on a
+CUDA device; ``fused_prologue``, ``indexer_k_insert``, ``indexer_q_quant``
+and ``index_rope`` here are the entry points (``dsa_fused_prologue``,
+``indexer_k_norm_quant_insert``, ``indexer_q_quant``, ``index_rope``) on that
+path on every device, CUDA included, which is what the GPU tests compare the
+kernels with. The argument lists live once, in the entry points; the pieces
+their torch paths are built from (``rms_norm``, ``k_norm``,
+``write_indexer_entries``, ``write_mla_entries``, ``quantize_query``,
+``rope_cos_sin``, ``rotate_``) are below. The byte encodings are
+``formats.py``'s.
 
-The references take the inputs as given: the entry points check them
-(dtypes, shapes, head counts, slot bounds) before dispatching. ``mx_scales``
-here is explicit (default fp32 scale words), never read from the device.
+The entry points check their inputs (dtypes, shapes, head counts, slot
+bounds) before either path. ``mx_scales=None`` reads the scale word from the
+device as on the kernel path (fp32 off SM10x): pass it explicitly to compare
+one format.
 """
+
+import contextvars
+import importlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -73,98 +82,40 @@ def write_indexer_entries(
     sview[blk, off] = scales[keep]
 
 
-def indexer_k_insert(
-    index_k: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float,
+def write_mla_entries(
+    kv_normed: torch.Tensor,
+    k_pe: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_cache: torch.Tensor,
-    topk_indices_buffer: torch.Tensor,
-    num_tokens: int,
-    *,
-    fp4: bool = False,
-    mx_scales: bool = False,
 ) -> None:
-    """``indexer_k_norm_quant_insert`` (mutates the cache and the top-k
-    buffer; an empty cache leaves both alone)."""
-    if kv_cache.numel() == 0:
-        return
+    """Write ``fp8_ds_mla`` entries of the normed latent and ``k_pe`` at
+    their slots (-1 skipped) of ``kv_cache [num_blocks, block_size, 656]``."""
     n = slot_mapping.numel()
-    k = k_norm(index_k[:n], weight, bias, eps)
-    write_indexer_entries(k, slot_mapping, kv_cache, fp4=fp4, mx_scales=mx_scales)
-    topk_indices_buffer[:num_tokens] = -1
-
-
-def fused_prologue(
-    q_c: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    index_k: torch.Tensor,
-    q_a_norm_weight: torch.Tensor,
-    kv_a_norm_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    k_norm_bias: torch.Tensor,
-    eps: float,
-    topk_indices_buffer: torch.Tensor,
-    mla_kv_cache: torch.Tensor | None = None,
-    mla_slot_mapping: torch.Tensor | None = None,
-    index_kv_cache: torch.Tensor | None = None,
-    index_slot_mapping: torch.Tensor | None = None,
-    *,
-    fp4: bool = False,
-    mx_scales: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dsa_fused_prologue``: returns the normed ``(q_c, kv_c)`` and, with
-    both caches present and non-empty, writes them and the top-k fill."""
-    q_out = rms_norm(q_c, q_a_norm_weight, eps)
-    kv_out = rms_norm(kv_c, kv_a_norm_weight, eps)
-    if (
-        mla_kv_cache is None
-        or index_kv_cache is None
-        or mla_kv_cache.numel() == 0
-        or index_kv_cache.numel() == 0
-    ):
-        return q_out, kv_out
-    if mla_slot_mapping is None or index_slot_mapping is None:
-        raise ValueError(
-            "fused_prologue: mla_slot_mapping and index_slot_mapping are required "
-            "with the caches"
-        )
-    n = mla_slot_mapping.numel()
-    slots = mla_slot_mapping.long()
+    slots = slot_mapping.long()
     keep = slots >= 0
-    entries = fp8_ds_mla_entry(kv_out[:n], k_pe[:n])[keep]
-    block_size = mla_kv_cache.shape[1]
-    mla_kv_cache[slots[keep] // block_size, slots[keep] % block_size] = entries
-    m = index_slot_mapping.numel()
-    k = k_norm(index_k[:m], k_norm_weight, k_norm_bias, eps)
-    write_indexer_entries(
-        k, index_slot_mapping, index_kv_cache, fp4=fp4, mx_scales=mx_scales
-    )
-    topk_indices_buffer[: q_c.shape[0]] = -1
-    return q_out, kv_out
+    entries = fp8_ds_mla_entry(kv_normed[:n], k_pe[:n])[keep]
+    block_size = kv_cache.shape[1]
+    kv_cache[slots[keep] // block_size, slots[keep] % block_size] = entries
 
 
-def _pad_heads(x: torch.Tensor, padded_heads: int) -> torch.Tensor:
+def pad_heads(x: torch.Tensor, padded_heads: int) -> torch.Tensor:
+    """``x [T, H, ...]`` with zero heads appended up to ``padded_heads``."""
     pad = padded_heads - x.shape[1]
     if pad == 0:
         return x
     return torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
 
 
-def indexer_q_quant(
-    index_q: torch.Tensor,
-    index_weights: torch.Tensor,
+def quantize_query(
+    q: torch.Tensor,
+    w: torch.Tensor,
     weight_scale: float,
-    padded_heads: int,
     *,
     fp4: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``indexer_q_quant``: ``(q_quant, q_scale, weights)``, ``q_scale``
-    None for fp8 (the power-of-two query scale is folded into the weights)."""
-    q = _pad_heads(index_q.float(), padded_heads)
-    w = _pad_heads(index_weights.float(), padded_heads)
+    """``indexer_q_quant``'s triple of the padded fp32 query and weights:
+    ``q_scale`` None for fp8 (the power-of-two query scale is folded into the
+    weights)."""
     # A Python scalar multiplies an fp32 tensor as an fp32 value (as the
     # kernels' fp32 argument), and keeps the reference CUDA-graph capturable.
     if fp4:
@@ -176,13 +127,15 @@ def indexer_q_quant(
     return codes.view(torch.float8_e4m3fn), None, weights
 
 
-def _rotate_(
+def rotate_(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     rope_dim: int,
     interleave: bool,
 ) -> None:
+    """Rotate the leading ``rope_dim`` dims of ``x`` in place, in fp32 with
+    separately rounded products (neox halves, or GPT-J pairs)."""
     half = rope_dim // 2
     xr = x[..., :rope_dim].float()
     if interleave:
@@ -198,21 +151,45 @@ def _rotate_(
     x[..., :rope_dim] = out.to(x.dtype)
 
 
-def index_rope(
-    index_q: torch.Tensor,
-    index_k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    rope_dim: int,
-    interleave: bool,
-) -> None:
-    """``index_rope`` (in place)."""
-    if rope_dim == 0 or index_q.shape[0] == 0:
-        return
+def rope_cos_sin(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(cos, sin)`` ``[T, rope_dim // 2]`` of ``index_rope``: the
+    leading frequencies of each half of the cache rows at ``positions``."""
     half = rope_dim // 2
     sin_start = cos_sin_cache.shape[1] // 2
     rows = cos_sin_cache[positions.long()].float()
-    cos = rows[:, :half]
-    sin = rows[:, sin_start : sin_start + half]
-    _rotate_(index_q, cos[:, None, :], sin[:, None, :], rope_dim, interleave)
-    _rotate_(index_k, cos, sin, rope_dim, interleave)
+    return rows[:, :half], rows[:, sin_start : sin_start + half]
+
+
+# Set while an entry point is to take its pure-torch path on every device.
+_TORCH_PATH = contextvars.ContextVar("kimi_k3_dsa_torch_path", default=False)
+
+
+def runs_torch_path(x: torch.Tensor) -> bool:
+    """Whether an entry point given ``x`` runs its pure-torch path: off CUDA,
+    or called by one of the reference names below."""
+    return not x.is_cuda or _TORCH_PATH.get()
+
+
+def _torch_path(module: str, entry: str) -> Callable[..., Any]:
+    """Entry point ``entry`` of ``module`` on its pure-torch path, on every
+    device. Imported on first call: the entry modules import this one."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        fn = getattr(importlib.import_module(f"{__package__}.{module}"), entry)
+        token = _TORCH_PATH.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _TORCH_PATH.reset(token)
+
+    run.__name__ = run.__qualname__ = module
+    run.__doc__ = f"``{entry}`` on its pure-torch path, on every device."
+    return run
+
+
+fused_prologue = _torch_path("fused_prologue", "dsa_fused_prologue")
+indexer_k_insert = _torch_path("indexer_k_insert", "indexer_k_norm_quant_insert")
+indexer_q_quant = _torch_path("indexer_q_quant", "indexer_q_quant")
+index_rope = _torch_path("index_rope", "index_rope")
