@@ -28,13 +28,17 @@ serves the three norms (the model checks they are equal).
 
 import torch
 
-from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 from vllm.models.kimi_k3.nvidia.dsa_ops._extension import kimi_k3_ops
 from vllm.models.kimi_k3.nvidia.dsa_ops._variants import mxfp4_variant
 from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
     check_slot_bounds,
     indexer_k_norm_quant_insert,
     resolve_mx_scales,
+)
+from vllm.models.kimi_k3.nvidia.dsa_ops.torch_path import (
+    rms_norm,
+    runs_torch_path,
+    write_mla_entries,
 )
 
 _SLOT_MAPPINGS_REQUIRED = (
@@ -85,14 +89,14 @@ def dsa_fused_prologue(
         check_slot_bounds(mla_slot_mapping, mla_kv_cache)
         check_slot_bounds(index_slot_mapping, index_kv_cache)
     num_tokens = q_c.shape[0]
-    if reference.runs_torch_path(q_c):
-        q_c_out = reference.rms_norm(q_c, q_a_norm_weight, eps)
-        kv_c_out = reference.rms_norm(kv_c, kv_a_norm_weight, eps)
+    if runs_torch_path(q_c):
+        q_c_out = rms_norm(q_c, q_a_norm_weight, eps)
+        kv_c_out = rms_norm(kv_c, kv_a_norm_weight, eps)
         if _profiling_run(mla_kv_cache, index_kv_cache):
             return q_c_out, kv_c_out
         if mla_slot_mapping is None or index_slot_mapping is None:
             raise ValueError(_SLOT_MAPPINGS_REQUIRED)
-        reference.write_mla_entries(kv_c_out, k_pe, mla_slot_mapping, mla_kv_cache)
+        write_mla_entries(kv_c_out, k_pe, mla_slot_mapping, mla_kv_cache)
         # The indexer entry and the top-k fill are the insert op's.
         indexer_k_norm_quant_insert(
             index_k,

@@ -33,10 +33,14 @@ default and always skipped while a CUDA graph is being captured).
 
 import torch
 
-from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 from vllm.models.kimi_k3.nvidia.dsa_ops._extension import kimi_k3_ops
 from vllm.models.kimi_k3.nvidia.dsa_ops._variants import mxfp4_variant
 from vllm.models.kimi_k3.nvidia.dsa_ops.formats import use_mx_scales
+from vllm.models.kimi_k3.nvidia.dsa_ops.torch_path import (
+    k_norm,
+    runs_torch_path,
+    write_indexer_entries,
+)
 
 
 def check_slot_bounds(slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -92,13 +96,11 @@ def indexer_k_norm_quant_insert(
     mx_scales = resolve_mx_scales(fp4, mx_scales, kv_cache.device)
     if check_slots:
         check_slot_bounds(slot_mapping, kv_cache)
-    if reference.runs_torch_path(kv_cache):
+    if runs_torch_path(kv_cache):
         if kv_cache.numel() == 0:
             return
-        k = reference.k_norm(index_k[: slot_mapping.numel()], weight, bias, eps)
-        reference.write_indexer_entries(
-            k, slot_mapping, kv_cache, fp4=fp4, mx_scales=mx_scales
-        )
+        k = k_norm(index_k[: slot_mapping.numel()], weight, bias, eps)
+        write_indexer_entries(k, slot_mapping, kv_cache, fp4=fp4, mx_scales=mx_scales)
         topk_indices_buffer[:num_tokens] = -1
         return
     kimi_k3_ops().indexer_k_norm_quant_insert(

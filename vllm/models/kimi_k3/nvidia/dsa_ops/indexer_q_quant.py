@@ -47,16 +47,13 @@ from vllm.models.kimi_k3.common.dsa_formats import (
     MXFP4_AMAX_FLOOR,
     MXFP4_BLOCK_SIZE,
 )
-from vllm.models.kimi_k3.nvidia.dsa_ops import reference
+from vllm.models.kimi_k3.nvidia.dsa_ops._triton import HAS_TRITON, tl, triton
 from vllm.models.kimi_k3.nvidia.dsa_ops._variants import mxfp4_variant
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - triton ships with CUDA torch
-    HAS_TRITON = False
+from vllm.models.kimi_k3.nvidia.dsa_ops.torch_path import (
+    pad_heads,
+    quantize_query,
+    runs_torch_path,
+)
 
 # DeepGEMM's MQA logits kernels are compiled for these head counts only.
 SUPPORTED_PADDED_HEADS = DEEPGEMM_INDEX_HEADS
@@ -319,10 +316,10 @@ def indexer_q_quant(
     reference).
     """
     _check_inputs(index_q, index_weights, padded_heads, fp4)
-    if reference.runs_torch_path(index_q) or not HAS_TRITON:
-        q = reference.pad_heads(index_q.float(), padded_heads)
-        w = reference.pad_heads(index_weights.float(), padded_heads)
-        return reference.quantize_query(q, w, weight_scale, fp4=fp4)
+    if runs_torch_path(index_q) or not HAS_TRITON:
+        q = pad_heads(index_q.float(), padded_heads)
+        w = pad_heads(index_weights.float(), padded_heads)
+        return quantize_query(q, w, weight_scale, fp4=fp4)
     if fp4:
         return _mxfp4_q_quant_triton(index_q, index_weights, weight_scale, padded_heads)
     q_fp8, weights = _fp8_q_quant_triton(
