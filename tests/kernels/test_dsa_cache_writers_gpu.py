@@ -115,7 +115,7 @@ def test_short_slot_mapping_and_int32_slots(fp4: bool):
         index_k, kw, kb, EPS, slots, got.index, topk, 48, fp4=fp4, mx_scales=False
     )
     reference.indexer_k_insert(
-        index_k, kw, kb, EPS, slots, ref.index, topk_ref, 48, fp4=fp4
+        index_k, kw, kb, EPS, slots, ref.index, topk_ref, 48, fp4=fp4, mx_scales=False
     )
     compare_index_values(got, ref, 33)
     assert torch.equal(topk, topk_ref)

@@ -126,3 +126,28 @@ def test_factory_builds_dense_mla_without_dsa_config(dsa_layer_env) -> None:
         )
     assert type(layer) is MultiHeadLatentAttention
     assert hasattr(layer, "fused_qkv_a_g_proj")
+
+
+def test_factory_refuses_mla_arguments_the_dsa_layer_lacks(dsa_layer_env) -> None:
+    """The DSA branch binds MultiHeadLatentAttention's arguments and refuses
+    those KimiK3DSAAttention has no counterpart for, before building."""
+    from kimi_k3_dsa_tools.tiny_checkpoint import tiny_text_config
+    from vllm.models.kimi_k3.common.dsa_config import KimiLinearDSAConfig
+    from vllm.plugins.kimi_k3_dsa.dsa_layers import kimi_k3_attention_factory
+
+    config = KimiLinearDSAConfig(**tiny_text_config(dsa=True))
+    args = dict(
+        config=config,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+        q_lora_rank=config.q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank,
+        prefix="model.layers.3.self_attn",
+    )
+    with pytest.raises(TypeError, match=r"unsupported MLA arguments \['use_rope'\]"):
+        kimi_k3_attention_factory(**args, use_rope=False)
+    with pytest.raises(TypeError):
+        kimi_k3_attention_factory(**args, not_an_mla_argument=1)

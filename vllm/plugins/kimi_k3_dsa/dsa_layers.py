@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -73,78 +74,44 @@ def _building(state: DSAModelState | None) -> Iterator[None]:
         _BUILDING.reset(token)
 
 
-def kimi_k3_attention_factory(
-    config: Any,
-    hidden_size: int,
-    num_heads: int,
-    qk_nope_head_dim: int,
-    qk_rope_head_dim: int,
-    v_head_dim: int,
-    q_lora_rank: int | None,
-    kv_lora_rank: int,
-    use_output_gate: bool = False,
-    cache_config: Any = None,
-    quant_config: Any = None,
-    prefix: str = "",
-    aux_stream: Any = None,
-    run_gemm_rs_ar: bool = False,
-    **kwargs: Any,
-) -> nn.Module:
+def kimi_k3_attention_factory(config: Any, *args: Any, **kwargs: Any) -> nn.Module:
     """Stands for ``KimiDecoderLayer``'s full-attention branch (overlay
     only): Kimi K3's dense ``MultiHeadLatentAttention`` without
     ``dsa_config``, ``KimiK3DSAAttention`` with it, given the state of the
-    model being built."""
+    model being built. Takes ``MultiHeadLatentAttention``'s arguments, bound
+    by its own signature, so this stand-in does not restate them."""
     from vllm.models.kimi_k3.common.dsa_config import is_dsa_model
     from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 
     if not is_dsa_model(config):
-        return MultiHeadLatentAttention(
-            config=config,
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            qk_nope_head_dim=qk_nope_head_dim,
-            qk_rope_head_dim=qk_rope_head_dim,
-            v_head_dim=v_head_dim,
-            q_lora_rank=q_lora_rank,
-            kv_lora_rank=kv_lora_rank,
-            use_output_gate=use_output_gate,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            prefix=prefix,
-            aux_stream=aux_stream,
-            run_gemm_rs_ar=run_gemm_rs_ar,
-            **kwargs,
-        )
+        return MultiHeadLatentAttention(config, *args, **kwargs)
     from vllm.models.kimi_k3.nvidia.dsa import KimiK3DSAAttention
 
-    if kwargs:
+    mla = inspect.signature(MultiHeadLatentAttention).bind(config, *args, **kwargs)
+    layer_args = dict(mla.arguments)
+    prefix = layer_args.get("prefix", "")
+    use_output_gate = layer_args.pop("use_output_gate", False)
+    # run_gemm_rs_ar: the DSA layer keeps the standard o_proj (the decoder
+    # layer turns its reduction off under sequence parallelism and
+    # reduce-scatters the full-length output itself).
+    layer_args.pop("run_gemm_rs_ar", None)
+    dsa_params = inspect.signature(KimiK3DSAAttention).parameters
+    unsupported = set(layer_args) - set(dsa_params)
+    if unsupported:
         raise TypeError(
-            f"Kimi K3.1 DSA layer {prefix}: unsupported MLA arguments {sorted(kwargs)}"
+            f"Kimi K3.1 DSA layer {prefix}: unsupported MLA arguments "
+            f"{sorted(unsupported)}"
         )
     if bool(use_output_gate) != bool(config.mla_use_output_gate):
         raise ValueError(
             f"Kimi K3.1 DSA layer {prefix}: use_output_gate={use_output_gate} "
             f"disagrees with mla_use_output_gate={config.mla_use_output_gate}"
         )
-    # run_gemm_rs_ar: the DSA layer keeps the standard o_proj (the decoder
-    # layer turns its reduction off under sequence parallelism and
-    # reduce-scatters the full-length output itself).
     state = _BUILDING.get()
     # Outside a model __init__ (a host that builds KimiDecoderLayer directly)
     # the layer gets no buffer, allocates a per-layer fallback and warns.
     return KimiK3DSAAttention(
-        config,
-        hidden_size,
-        num_heads,
-        qk_nope_head_dim,
-        qk_rope_head_dim,
-        v_head_dim,
-        q_lora_rank,
-        kv_lora_rank,
-        cache_config=cache_config,
-        quant_config=quant_config,
-        prefix=prefix,
-        aux_stream=aux_stream,
+        **layer_args,
         topk_indices_buffer=None if state is None else state.topk_indices_buffer,
         index_group_builder=None if state is None else state.index_group_builder,
     )

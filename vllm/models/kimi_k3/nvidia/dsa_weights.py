@@ -113,19 +113,29 @@ def _load_with_router(
     return loaded
 
 
+def _dsa_layers(
+    candidates: Iterable[tuple[str, str, nn.Module | None]],
+) -> dict[str, tuple[str, nn.Module]]:
+    """Checkpoint prefix -> (parameter prefix, layer) of the candidates
+    ``(checkpoint prefix, parameter prefix, attention or None)`` that are
+    DSA layers."""
+    return {
+        checkpoint: (param, attn)
+        for checkpoint, param, attn in candidates
+        if attn is not None and is_dsa_attention(attn)
+    }
+
+
 def kimi_linear_model_dsa_layers(
     model: nn.Module,
 ) -> dict[str, tuple[str, nn.Module]]:
     """DSA layers of a ``KimiLinearModel``: checkpoint and parameter prefixes
     are both ``layers.{i}.self_attn.`` (``AutoWeightsLoader`` strips
     ``model.``)."""
-    layers: dict[str, tuple[str, nn.Module]] = {}
-    for idx, layer in enumerate(getattr(model, "layers", [])):
-        attn = getattr(layer, "self_attn", None)
-        if attn is not None and is_dsa_attention(attn):
-            prefix = f"layers.{idx}.self_attn."
-            layers[prefix] = (prefix, attn)
-    return layers
+    return _dsa_layers(
+        (f"layers.{idx}.self_attn.",) * 2 + (getattr(layer, "self_attn", None),)
+        for idx, layer in enumerate(getattr(model, "layers", []))
+    )
 
 
 def load_kimi_linear_model_weights(
@@ -166,17 +176,15 @@ def kimi_k3_mtp_dsa_layers(mtp: nn.Module) -> dict[str, tuple[str, nn.Module]]:
     """DSA blocks of a ``KimiK3MTP`` draft: checkpoint prefix
     ``model.layers.{L}.self_attn.``, parameter prefix
     ``model.layers.{L}.mtp_block.self_attn.``."""
-    layers: dict[str, tuple[str, nn.Module]] = {}
     predictor = getattr(mtp, "model", None)
-    for key, layer in getattr(predictor, "layers", {}).items():
-        block = getattr(layer, "mtp_block", None)
-        attn = getattr(block, "self_attn", None)
-        if attn is not None and is_dsa_attention(attn):
-            layers[f"model.layers.{key}.self_attn."] = (
-                f"model.layers.{key}.mtp_block.self_attn.",
-                attn,
-            )
-    return layers
+    return _dsa_layers(
+        (
+            f"model.layers.{key}.self_attn.",
+            f"model.layers.{key}.mtp_block.self_attn.",
+            getattr(getattr(layer, "mtp_block", None), "self_attn", None),
+        )
+        for key, layer in getattr(predictor, "layers", {}).items()
+    )
 
 
 def _strip_language_model(name: str) -> str:

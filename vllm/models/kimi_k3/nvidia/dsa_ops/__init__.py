@@ -3,12 +3,13 @@
 """Kimi K3.1 DSA kernels: python entry points and their pure-torch references.
 
 One module per kernel holds its entry point (``fused_prologue``,
-``indexer_k_insert``, ``indexer_q_quant``, ``index_rope``); ``reference``
-holds the references, which define the kernels' exact semantics, byte for
-byte. This layer imports torch (and triton), the ``vllm._kimi_k3_C``
-extension and the standard-library module of the kernels' numbers
-(``common/dsa_formats.py``) only, never upstream vLLM, so the GPU tests run on
-a machine where vLLM is not installed.
+``indexer_k_insert``, ``indexer_q_quant``, ``index_rope``) and takes its
+pure-torch path (``torch_path``) off CUDA; ``reference`` holds the
+references, the entry points on that path on every device, which define the
+kernels' exact semantics, byte for byte. This layer imports torch (and
+triton), the ``vllm._kimi_k3_C`` extension and the standard-library module of
+the kernels' numbers (``common/dsa_formats.py``) only, never upstream vLLM,
+so the GPU tests run on a machine where vLLM is not installed.
 
 The public ops, by the names the DSA layers call them (``nvidia/dsa.py``),
 one per key format: :func:`dsa_fused_prologue` / :func:`mxfp4_fused_prologue`,

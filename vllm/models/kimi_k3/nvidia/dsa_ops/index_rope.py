@@ -24,15 +24,12 @@ the input dtype, written in place; dims ``rope_dim ..`` are untouched.
 
 import torch
 
-from vllm.models.kimi_k3.nvidia.dsa_ops import reference
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - triton ships with CUDA torch
-    HAS_TRITON = False
+from vllm.models.kimi_k3.nvidia.dsa_ops._triton import HAS_TRITON, tl, triton
+from vllm.models.kimi_k3.nvidia.dsa_ops.torch_path import (
+    rope_cos_sin,
+    rotate_,
+    runs_torch_path,
+)
 
 
 def _check_inputs(
@@ -158,15 +155,15 @@ def index_rope(
     (``index_q [T, H, D]``) and of the key (``index_k [T, D]``), in place,
     with the leading ``rope_dim // 2`` frequencies of ``cos_sin_cache``
     (semantics in the module docstring). Views with any strides are written
-    through. CPU tensors run the reference."""
+    through. CPU tensors take the torch path (the reference)."""
     _check_inputs(index_q, index_k, positions, cos_sin_cache, rope_dim)
     num_tokens, num_heads, _ = index_q.shape
     if rope_dim == 0 or num_tokens == 0:
         return
-    if not index_q.is_cuda or not HAS_TRITON:
-        reference.index_rope(
-            index_q, index_k, positions, cos_sin_cache, rope_dim, interleave
-        )
+    if runs_torch_path(index_q) or not HAS_TRITON:
+        cos, sin = rope_cos_sin(positions, cos_sin_cache, rope_dim)
+        rotate_(index_q, cos[:, None], sin[:, None], rope_dim, interleave)
+        rotate_(index_k, cos, sin, rope_dim, interleave)
         return
     half = rope_dim // 2
     block_h = min(_MAX_BLOCK_H, triton.next_power_of_2(max(num_heads, 1)))

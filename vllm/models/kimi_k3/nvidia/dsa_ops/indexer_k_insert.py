@@ -34,7 +34,13 @@ default and always skipped while a CUDA graph is being captured).
 import torch
 
 from vllm.models.kimi_k3.nvidia.dsa_ops._extension import kimi_k3_ops
+from vllm.models.kimi_k3.nvidia.dsa_ops._variants import mxfp4_variant
 from vllm.models.kimi_k3.nvidia.dsa_ops.formats import use_mx_scales
+from vllm.models.kimi_k3.nvidia.dsa_ops.torch_path import (
+    k_norm,
+    runs_torch_path,
+    write_indexer_entries,
+)
 
 
 def check_slot_bounds(slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -84,12 +90,19 @@ def indexer_k_norm_quant_insert(
     mx_scales: bool | None = None,
     check_slots: bool = False,
 ) -> None:
-    """Indexer key insert (CUDA): fp8 keys (132 bytes per token at head dim
-    128) or, with ``fp4``, MXFP4 keys (68 bytes). ``mx_scales=None`` picks
-    the fp8 scale word the device's DeepGEMM reads."""
+    """Indexer key insert (CUDA; torch off CUDA): fp8 keys (132 bytes per
+    token at head dim 128) or, with ``fp4``, MXFP4 keys (68 bytes).
+    ``mx_scales=None`` picks the fp8 scale word the device's DeepGEMM reads."""
     mx_scales = resolve_mx_scales(fp4, mx_scales, kv_cache.device)
     if check_slots:
         check_slot_bounds(slot_mapping, kv_cache)
+    if runs_torch_path(kv_cache):
+        if kv_cache.numel() == 0:
+            return
+        k = k_norm(index_k[: slot_mapping.numel()], weight, bias, eps)
+        write_indexer_entries(k, slot_mapping, kv_cache, fp4=fp4, mx_scales=mx_scales)
+        topk_indices_buffer[:num_tokens] = -1
+        return
     kimi_k3_ops().indexer_k_norm_quant_insert(
         index_k,
         weight,
@@ -104,29 +117,9 @@ def indexer_k_norm_quant_insert(
     )
 
 
-def mxfp4_k_norm_quant_insert(
-    index_k: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float,
-    slot_mapping: torch.Tensor,
-    kv_cache: torch.Tensor,
-    topk_indices_buffer: torch.Tensor,
-    num_tokens: int,
-    *,
-    check_slots: bool = False,
-) -> None:
+mxfp4_k_norm_quant_insert = mxfp4_variant(
+    indexer_k_norm_quant_insert,
+    "mxfp4_k_norm_quant_insert",
     """:func:`indexer_k_norm_quant_insert` with MXFP4 keys (68 bytes per token
-    at head dim 128, SM10x readers)."""
-    indexer_k_norm_quant_insert(
-        index_k,
-        weight,
-        bias,
-        eps,
-        slot_mapping,
-        kv_cache,
-        topk_indices_buffer,
-        num_tokens,
-        fp4=True,
-        check_slots=check_slots,
-    )
+    at head dim 128, SM10x readers).""",
+)

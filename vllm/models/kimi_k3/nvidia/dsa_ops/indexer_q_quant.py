@@ -37,8 +37,6 @@ row and never matter, since the weight is zero). ``reference.indexer_q_quant``
 is the contract the Triton kernels are tested against.
 """
 
-from typing import cast
-
 import torch
 
 from vllm.models.kimi_k3.common.dsa_formats import (
@@ -49,17 +47,13 @@ from vllm.models.kimi_k3.common.dsa_formats import (
     MXFP4_AMAX_FLOOR,
     MXFP4_BLOCK_SIZE,
 )
-from vllm.models.kimi_k3.nvidia.dsa_ops.reference import (
-    indexer_q_quant as reference_indexer_q_quant,
+from vllm.models.kimi_k3.nvidia.dsa_ops._triton import HAS_TRITON, tl, triton
+from vllm.models.kimi_k3.nvidia.dsa_ops._variants import mxfp4_variant
+from vllm.models.kimi_k3.nvidia.dsa_ops.torch_path import (
+    pad_heads,
+    quantize_query,
+    runs_torch_path,
 )
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - triton ships with CUDA torch
-    HAS_TRITON = False
 
 # DeepGEMM's MQA logits kernels are compiled for these head counts only.
 SUPPORTED_PADDED_HEADS = DEEPGEMM_INDEX_HEADS
@@ -318,13 +312,14 @@ def indexer_q_quant(
     ``index_q [T, H, D]`` and ``index_weights [T, H]`` may be strided views
     of GEMM outputs. Returns ``(q_quant, q_scale, weights)`` as described in
     the module docstring (``q_scale`` None for fp8): the triple
-    ``sparse_attn_indexer`` takes. CPU tensors run the reference.
+    ``sparse_attn_indexer`` takes. CPU tensors take the torch path (the
+    reference).
     """
     _check_inputs(index_q, index_weights, padded_heads, fp4)
-    if not index_q.is_cuda or not HAS_TRITON:
-        return reference_indexer_q_quant(
-            index_q, index_weights, weight_scale, padded_heads, fp4=fp4
-        )
+    if runs_torch_path(index_q) or not HAS_TRITON:
+        q = pad_heads(index_q.float(), padded_heads)
+        w = pad_heads(index_weights.float(), padded_heads)
+        return quantize_query(q, w, weight_scale, fp4=fp4)
     if fp4:
         return _mxfp4_q_quant_triton(index_q, index_weights, weight_scale, padded_heads)
     q_fp8, weights = _fp8_q_quant_triton(
@@ -347,19 +342,15 @@ def indexer_q_quant_fold_weights(
     return q_fp8, weights
 
 
-def mxfp4_q_quant(
-    index_q: torch.Tensor,
-    index_weights: torch.Tensor,
-    weight_scale: float,
-    padded_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# The return annotation narrows q_scale: an MXFP4 query always carries its
+# scales.
+mxfp4_q_quant = mxfp4_variant(
+    indexer_q_quant,
+    "mxfp4_q_quant",
     """The MXFP4 indexer query, its UE8M0 block scales and its fp32 weights
-    (:func:`indexer_q_quant` with ``fp4``; SM10x readers)."""
-    q_packed, q_scale, weights = indexer_q_quant(
-        index_q, index_weights, weight_scale, padded_heads, fp4=True
-    )
-    # An MXFP4 query always carries its scales.
-    return q_packed, cast(torch.Tensor, q_scale), weights
+    (:func:`indexer_q_quant` with ``fp4``; SM10x readers).""",
+    return_annotation=tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+)
 
 
 def _fp8_q_quant_triton(
