@@ -189,11 +189,7 @@ def fused_attention(layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tens
             indexer.k_cache.kv_cache,
             index_metadata.slot_mapping,
         )
-    if indexer.topk_indices_buffer is None:
-        raise RuntimeError(
-            f"{indexer.k_cache.prefix}: the indexer was built without the "
-            "model's top-k buffer (topk_indices_buffer)"
-        )
+    topk_indices_buffer = indexer.required_topk_indices_buffer()
     k_norm = cast(KimiK3DSAIndexerKNorm, indexer.k_index_norm)
     # One eps for the three norms (checked in pack_projections).
     prologue = dsa_fused_prologue
@@ -209,7 +205,7 @@ def fused_attention(layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tens
         k_norm.weight,
         k_norm.bias,
         k_norm.eps,
-        indexer.topk_indices_buffer,
+        topk_indices_buffer,
         *caches,
     )
 

@@ -249,6 +249,16 @@ class KimiK3DSAIndexer(nn.Module):
             else 0
         )
 
+    def required_topk_indices_buffer(self) -> torch.Tensor:
+        """The model's top-k buffer, which the key writers fill with -1 for
+        the step's rows; a layer built without it cannot write its cache."""
+        if self.topk_indices_buffer is None:
+            raise RuntimeError(
+                f"{self.k_cache.prefix}: the indexer was built without the "
+                "model's top-k buffer (topk_indices_buffer)"
+            )
+        return self.topk_indices_buffer
+
     @property
     def cp_kv_cache_interleave_size(self) -> int:
         """The parallel config's value, cached once a real batch runs.
@@ -323,11 +333,7 @@ class KimiK3DSAIndexer(nn.Module):
                 f"{self.k_cache.prefix}: the indexer cache's metadata is a "
                 f"{type(metadata).__name__}, not DeepseekV32IndexerMetadata"
             )
-        if self.topk_indices_buffer is None:
-            raise RuntimeError(
-                f"{self.k_cache.prefix}: the indexer was built without the "
-                "model's top-k buffer (topk_indices_buffer)"
-            )
+        topk_indices_buffer = self.required_topk_indices_buffer()
         norm = cast(KimiK3DSAIndexerKNorm, self.k_index_norm)
         insert = indexer_k_norm_quant_insert
         if self.use_fp4_cache:
@@ -339,7 +345,7 @@ class KimiK3DSAIndexer(nn.Module):
             norm.eps,
             metadata.slot_mapping,
             kv_cache,
-            self.topk_indices_buffer,
+            topk_indices_buffer,
             num_tokens,
         )
 
