@@ -220,6 +220,71 @@ def dcp_merge_reference(
     return merged.masked_fill(torch.isinf(values), -1).to(torch.int32)
 
 
+def dcp_block_table(
+    block_tables_cls,
+    ctx_lens: list[int],
+    block_tokens: int,
+    world: int,
+    rank: int,
+    interleave: int,
+    token_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    seed: int,
+):
+    """One DCP rank's (``world`` 1: the single rank's) block table over
+    shuffled physical blocks of ``block_tokens``, in vLLM 0.33.0's Model
+    Runner V2 ``BlockTables`` (passed in: this module does not import vLLM),
+    and its slots for writing every token of the batch (-1 where another rank
+    owns the token). Returns (table [reqs, width] int32, slots, num_blocks)."""
+    dev = positions.device
+    num_reqs, num_tokens = len(ctx_lens), positions.numel()
+    # Under DCP a block-table column covers a virtual block of world x block.
+    width = -(-max(ctx_lens) // (block_tokens * world))
+    num_blocks = num_reqs * width + 3
+    tables = block_tables_cls(
+        block_sizes=[block_tokens],
+        max_num_reqs=num_reqs,
+        max_num_batched_tokens=num_tokens,
+        max_num_blocks_per_group=[width],
+        device=dev,
+        cp_size=world,
+        cp_rank=rank,
+        cp_interleave=interleave,
+    )
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    perm = torch.randperm(num_blocks, device=dev, generator=g)[: num_reqs * width]
+    table = tables.block_tables[0].gpu[:num_reqs]
+    table.copy_(perm.view(num_reqs, width).to(torch.int32))
+    idx_mapping = torch.arange(num_reqs, dtype=torch.int32, device=dev)
+    slots = tables.compute_slot_mappings(
+        idx_mapping, token_start_loc, positions, num_tokens
+    )[0].clone()
+    return table, slots, num_blocks
+
+
+def cutedsl_dcp_merge():
+    """vLLM's DCP top-k merge kernels (its Triton pack, its CuTe DSL
+    selector); skips where CuTe DSL is missing."""
+    from vllm.utils.import_utils import has_cutedsl
+
+    if not has_cutedsl():
+        pytest.skip(
+            "CuTe DSL is not installed: vLLM's DCP top-k selector runs only on it "
+            "(shared/tools/offline-vllm/bundle_cutedsl.sh)"
+        )
+    try:
+        from vllm.model_executor.kernels.attention.dsa.dcp_indexer_cutedsl import (
+            pack_dcp_topk_candidates_cutedsl,
+            stable_topk_from_gathered_candidates_cutedsl,
+        )
+    except ImportError as e:
+        pytest.skip(f"vLLM's CuTe DSL merge does not import here ({e})")
+    return (
+        pack_dcp_topk_candidates_cutedsl,
+        stable_topk_from_gathered_candidates_cutedsl,
+    )
+
+
 def fp8_indexer_query(q: torch.Tensor, head_w: torch.Tensor):
     """The indexer query ``q [..., H, D]`` as DeepGEMM's MQA logits take it,
     as vLLM prepares it: fp8 codes with the per-(token, head) power-of-two

@@ -56,6 +56,8 @@ from dsa_gpu_utils import (
     calc_diff,
     compare_caches,
     compare_index_values,
+    cutedsl_dcp_merge,
+    dcp_block_table,
     dcp_global_positions,
     dcp_merge_reference,
     deep_gemm_module,
@@ -130,28 +132,11 @@ def _rank(
     shuffled physical blocks, vLLM's slots for writing the whole batch, and
     its caches written three ways."""
     dev = batch.lens.device
-    num_reqs, num_tokens = len(CTX_LENS), batch.num_tokens
-    # Under DCP a block-table column covers a virtual block of world x BLOCK.
-    width = -(-max(CTX_LENS) // (BLOCK * world))
-    num_blocks = num_reqs * width + 3
-    tables = v.BlockTables(
-        block_sizes=[BLOCK],
-        max_num_reqs=num_reqs,
-        max_num_batched_tokens=num_tokens,
-        max_num_blocks_per_group=[width],
-        device=dev,
-        cp_size=world,
-        cp_rank=rank,
-        cp_interleave=interleave,
-    )
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    perm = torch.randperm(num_blocks, device=dev, generator=g)[: num_reqs * width]
-    table = tables.block_tables[0].gpu[:num_reqs]
-    table.copy_(perm.view(num_reqs, width).to(torch.int32))
-    idx_mapping = torch.arange(num_reqs, dtype=torch.int32, device=dev)
-    slots = tables.compute_slot_mappings(
-        idx_mapping, batch.query_start_loc, batch.positions, num_tokens
-    )[0].clone()
+    num_tokens = batch.num_tokens
+    table, slots, num_blocks = dcp_block_table(
+        v.BlockTables, CTX_LENS, BLOCK, world, rank, interleave,
+        batch.query_start_loc, batch.positions, seed,
+    )  # fmt: skip
     # What KimiK3IndexerMetadataBuilder.build hands the indexer.
     index_slots = v.get_compressed_slot_mapping(
         num_tokens,
@@ -455,30 +440,15 @@ def test_dcp2_vllms_merge_equals_one_ranks(dcp2):
     """vLLM's DCP merge (``_merge_dcp_topk_global`` without the collective:
     its pack kernel per rank, the all-gather as a concatenation in rank
     order, its CuTe DSL selector) selects one rank's tokens."""
-    from vllm.utils.import_utils import has_cutedsl
-
-    if not has_cutedsl():
-        pytest.skip(
-            "CuTe DSL is not installed: vLLM's DCP top-k selector runs only on it "
-            "(shared/tools/offline-vllm/bundle_cutedsl.sh)"
-        )
-    try:
-        from vllm.model_executor.kernels.attention.dsa.dcp_indexer_cutedsl import (
-            pack_dcp_topk_candidates_cutedsl,
-            stable_topk_from_gathered_candidates_cutedsl,
-        )
-    except ImportError as e:
-        pytest.skip(f"vLLM's CuTe DSL merge does not import here ({e})")
+    pack, select = cutedsl_dcp_merge()
     packed = []
     for r in dcp2.ranks:
         candidates = torch.empty((*r.topk.shape, 2), dtype=torch.float32, device="cuda")
-        pack_dcp_topk_candidates_cutedsl(
-            r.logits, r.topk.clone(), candidates, r.rank, DCP, dcp2.interleave, None
-        )
+        pack(r.logits, r.topk.clone(), candidates, r.rank, DCP, dcp2.interleave, None)
         packed.append(candidates)
     gathered = torch.cat(packed, dim=1)
     merged = torch.empty_like(dcp2.one.topk)
-    stable_topk_from_gathered_candidates_cutedsl(gathered, TOPK, out=merged)
+    select(gathered, TOPK, out=merged)
     _assert_same_selection(merged, dcp2.one.topk, dcp2.one.logits, "vllm-merge")
     _assert_same_selection(merged, dcp2.merged, dcp2.one.logits, "vllm-vs-torch")
 

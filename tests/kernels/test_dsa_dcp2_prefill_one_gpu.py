@@ -89,6 +89,8 @@ from dsa_gpu_utils import (
     SENTINEL,
     PackedCaches,
     calc_diff,
+    cutedsl_dcp_merge,
+    dcp_block_table,
     dcp_global_positions,
     dcp_merge_reference,
     deep_gemm_module,
@@ -212,29 +214,11 @@ def _rank(
     rows), and its caches as DCP serves them (our indexer key insert, vLLM's
     MLA insert)."""
     dev = batch.lens.device
-    num_reqs, num_tokens = len(CTX_LENS), batch.num_tokens
-    # Under DCP a block-table column covers a virtual block of world x block.
-    width = -(-max(CTX_LENS) // (block_tokens * world))
-    num_blocks = num_reqs * width + 3
-    tables = v.BlockTables(
-        block_sizes=[block_tokens],
-        max_num_reqs=num_reqs,
-        max_num_batched_tokens=num_tokens,
-        max_num_blocks_per_group=[width],
-        device=dev,
-        cp_size=world,
-        cp_rank=rank,
-        cp_interleave=interleave,
-    )
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    perm = torch.randperm(num_blocks, device=dev, generator=g)[: num_reqs * width]
-    table = tables.block_tables[0].gpu[:num_reqs]
-    table.copy_(perm.view(num_reqs, width).to(torch.int32))
-    idx_mapping = torch.arange(num_reqs, dtype=torch.int32, device=dev)
-    slots = tables.compute_slot_mappings(
-        idx_mapping, batch.token_start_loc, batch.positions, num_tokens
-    )[0].clone()
-
+    num_tokens = batch.num_tokens
+    table, slots, num_blocks = dcp_block_table(
+        v.BlockTables, CTX_LENS, block_tokens, world, rank, interleave,
+        batch.token_start_loc, batch.positions, seed,
+    )  # fmt: skip
     caches = PackedCaches(num_blocks, fp4=False, block_tokens=block_tokens)
     index_pages, page_stride = caches.index_pages()
     kernel_table = _kernel_block_table(table, page_stride, block_tokens // BLOCK)
@@ -743,20 +727,7 @@ def test_dcp2_prefill_vllms_merge_equals_one_ranks(dcp2):
     the collective: its pack kernel per rank with ``row_starts`` None as on
     CUDA, the all-gather as a concatenation in rank order, its CuTe DSL
     selector) selects one rank's tokens."""
-    from vllm.utils.import_utils import has_cutedsl
-
-    if not has_cutedsl():
-        pytest.skip(
-            "CuTe DSL is not installed: vLLM's DCP top-k selector runs only on it "
-            "(shared/tools/offline-vllm/bundle_cutedsl.sh)"
-        )
-    try:
-        from vllm.model_executor.kernels.attention.dsa.dcp_indexer_cutedsl import (
-            pack_dcp_topk_candidates_cutedsl,
-            stable_topk_from_gathered_candidates_cutedsl,
-        )
-    except ImportError as e:
-        pytest.skip(f"vLLM's CuTe DSL merge does not import here ({e})")
+    pack, select = cutedsl_dcp_merge()
     merged = torch.full_like(dcp2.one.topk, -1)
     for chunks in zip(*(r.chunks for r in dcp2.ranks), strict=True):
         lo, hi = chunks[0].lo, chunks[0].hi
@@ -768,14 +739,10 @@ def test_dcp2_prefill_vllms_merge_equals_one_ranks(dcp2):
             candidates = torch.empty(
                 (*topk.shape, 2), dtype=torch.float32, device="cuda"
             )
-            pack_dcp_topk_candidates_cutedsl(
-                c.logits, topk, candidates, r.rank, DCP, dcp2.interleave, None
-            )
+            pack(c.logits, topk, candidates, r.rank, DCP, dcp2.interleave, None)
             packed.append(candidates)
         out = merged[lo:hi]
-        stable_topk_from_gathered_candidates_cutedsl(
-            torch.cat(packed, dim=1), TOPK, out=out
-        )
+        select(torch.cat(packed, dim=1), TOPK, out=out)
     lengths = dcp2.batch.row_pos + 1
     _assert_same_rows(merged, dcp2.one.topk, dcp2.one.dense, lengths, "vllm-merge")
     _assert_same_rows(merged, dcp2.merged, dcp2.one.dense, lengths, "vllm-vs-torch")
