@@ -44,26 +44,33 @@ merge (that test alone skips without it).
 from __future__ import annotations
 
 import itertools
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 from dsa_gpu_utils import (
     BLOCK,
-    DEVICE_DIR,
     EPS,
     SENTINEL,
     PackedCaches,
+    calc_diff,
     compare_caches,
     compare_index_values,
+    cutedsl_dcp_merge,
+    dcp_block_table,
+    dcp_global_positions,
+    dcp_merge_reference,
+    deep_gemm_module,
+    flashmla_sparse_decode_op,
+    fp8_indexer_query,
     gemm_slices,
+    index_entries,
+    mla_entries,
     norm_weights,
     requires_consumers,
     requires_kernels,
 )
 
-from vllm.models.kimi_k3.common import dsa_formats
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
 from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import dsa_fused_prologue
@@ -113,55 +120,6 @@ def _vllm() -> SimpleNamespace:
     )
 
 
-def _deep_gemm():
-    if "deep_gemm" not in sys.modules and str(DEVICE_DIR) not in sys.path:
-        sys.path.insert(0, str(DEVICE_DIR))
-    import deep_gemm
-
-    return deep_gemm
-
-
-def _sparse_decode_op():
-    """FlashMLA's sparse decode, loaded once per process (vLLM's own import
-    of ``_flashmla_C`` may have registered it already)."""
-    if not hasattr(torch.ops._flashmla_C, "sparse_decode_fwd"):
-        torch.ops.load_library(str(DEVICE_DIR / "_flashmla_C.abi3.so"))
-    return torch.ops._flashmla_C.sparse_decode_fwd
-
-
-def _calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """DeepGEMM's similarity error: 1 - 2<x, y> / (|x|^2 + |y|^2)."""
-    x, y = x.double(), y.double()
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
-
-
-def _global_positions(
-    local: torch.Tensor, rank: int, world: int, interleave: int
-) -> torch.Tensor:
-    """Request position of a rank's local position (vLLM's DCP interleave)."""
-    return (
-        (local // interleave) * (world * interleave)
-        + rank * interleave
-        + (local % interleave)
-    )
-
-
-def _index_entries(caches: PackedCaches, slots: torch.Tensor) -> torch.Tensor:
-    """The indexer cache's bytes of each slot: its 128 value bytes (a block
-    holds its 64 tokens' values first) and its 4 scale bytes."""
-    n = caches.buf.shape[0]
-    block = caches.buf[:, : BLOCK * caches.idx_entry]
-    values = block[:, : BLOCK * D].reshape(n * BLOCK, D)
-    scales = block[:, BLOCK * D :].reshape(n * BLOCK, caches.idx_entry - D)
-    return torch.cat((values[slots], scales[slots]), dim=1)
-
-
-def _mla_entries(caches: PackedCaches) -> torch.Tensor:
-    """The ``fp8_ds_mla`` cache as one 656-byte row per slot."""
-    n = caches.buf.shape[0]
-    return caches.mla.reshape(n * BLOCK, dsa_formats.DS_MLA_ENTRY_BYTES)
-
-
 def _rank(
     v: SimpleNamespace,
     batch: SimpleNamespace,
@@ -174,28 +132,11 @@ def _rank(
     shuffled physical blocks, vLLM's slots for writing the whole batch, and
     its caches written three ways."""
     dev = batch.lens.device
-    num_reqs, num_tokens = len(CTX_LENS), batch.num_tokens
-    # Under DCP a block-table column covers a virtual block of world x BLOCK.
-    width = -(-max(CTX_LENS) // (BLOCK * world))
-    num_blocks = num_reqs * width + 3
-    tables = v.BlockTables(
-        block_sizes=[BLOCK],
-        max_num_reqs=num_reqs,
-        max_num_batched_tokens=num_tokens,
-        max_num_blocks_per_group=[width],
-        device=dev,
-        cp_size=world,
-        cp_rank=rank,
-        cp_interleave=interleave,
-    )
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    perm = torch.randperm(num_blocks, device=dev, generator=g)[: num_reqs * width]
-    table = tables.block_tables[0].gpu[:num_reqs]
-    table.copy_(perm.view(num_reqs, width).to(torch.int32))
-    idx_mapping = torch.arange(num_reqs, dtype=torch.int32, device=dev)
-    slots = tables.compute_slot_mappings(
-        idx_mapping, batch.query_start_loc, batch.positions, num_tokens
-    )[0].clone()
+    num_tokens = batch.num_tokens
+    table, slots, num_blocks = dcp_block_table(
+        v.BlockTables, CTX_LENS, BLOCK, world, rank, interleave,
+        batch.query_start_loc, batch.positions, seed,
+    )  # fmt: skip
     # What KimiK3IndexerMetadataBuilder.build hands the indexer.
     index_slots = v.get_compressed_slot_mapping(
         num_tokens,
@@ -277,22 +218,6 @@ def _local_topk(logits: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     out = torch.full((logits.shape[0], TOPK), -1, dtype=torch.int32, device="cuda")
     out[:, : idx.shape[1]] = idx.to(torch.int32).masked_fill(torch.isinf(values), -1)
     return out
-
-
-def _merge_reference(ranks, logits, topks, interleave: int) -> torch.Tensor:
-    """The global top-k of the ranks' local candidates (what vLLM's merge
-    computes), in torch: request positions, -1 padding."""
-    scores, ids = [], []
-    for r, lg, tk in zip(ranks, logits, topks, strict=True):
-        valid = tk >= 0
-        safe = tk.clamp(min=0).long()
-        scores.append(lg.gather(1, safe).masked_fill(~valid, float("-inf")))
-        ids.append(
-            _global_positions(safe, r.rank, DCP, interleave).masked_fill(~valid, -1)
-        )
-    values, pick = torch.cat(scores, 1).topk(TOPK, dim=1)
-    merged = torch.cat(ids, 1).gather(1, pick)
-    return merged.masked_fill(torch.isinf(values), -1).to(torch.int32)
 
 
 def _assert_same_selection(
@@ -385,30 +310,22 @@ def dcp2(request) -> SimpleNamespace:
 
     # The decode step's queries: the indexer's (fp8, scale folded into the
     # head weights as vLLM does) and sparse MLA's.
-    dg = _deep_gemm()
+    dg = deep_gemm_module()
     g = torch.Generator(device="cuda").manual_seed(43 + interleave)
     num_reqs = len(CTX_LENS)
     q_index = torch.randn(
         num_reqs, 1, INDEX_HEADS, D, device=dev, generator=g
     ).bfloat16()
     head_w = torch.randn(num_reqs, INDEX_HEADS, device=dev, generator=g)
-    codes, e = F.fp8_quantize_rows(q_index, D)
-    weights = head_w * F.exp2_int(e.squeeze(-1)).view(num_reqs, INDEX_HEADS)
-    q_sf = None
-    if F.use_mx_scales():  # mqa_logits_mx_inputs: unit MX scales, bf16 weights
-        q_sf = torch.full(
-            (num_reqs, 1, INDEX_HEADS), 0x7F7F7F7F, dtype=torch.int32, device=dev
-        )
-        weights = weights.bfloat16()
-    q_in = (codes.view(torch.float8_e4m3fn), q_sf)
+    q_in, weights = fp8_indexer_query(q_index, head_w)
     one.logits = _indexer_logits(dg, one, q_in, weights)
     for r in ranks:
         r.logits = _indexer_logits(dg, r, q_in, weights)
     one.topk = _local_topk(one.logits, one.local_lens)
     for r in ranks:
         r.topk = _local_topk(r.logits, r.local_lens)
-    merged = _merge_reference(
-        ranks, [r.logits for r in ranks], [r.topk for r in ranks], interleave
+    merged = dcp_merge_reference(
+        [r.logits for r in ranks], [r.topk for r in ranks], interleave, TOPK
     )
     q_mla = (
         torch.randn(num_reqs, 1, MLA_HEADS, KV_LORA + 64, device=dev, generator=g) * 0.5
@@ -456,10 +373,10 @@ def test_dcp2_caches_hold_one_ranks_bytes(dcp2):
         mine = r.slots >= 0
         local, single = r.slots[mine], one.slots[mine]
         assert torch.equal(
-            _index_entries(r.served, local), _index_entries(one.served, single)
+            index_entries(r.served, local), index_entries(one.served, single)
         ), f"rank {r.rank}: indexer keys differ from one rank's"
-        mla = _mla_entries(r.served)
-        assert torch.equal(mla[local], _mla_entries(one.served)[single]), (
+        mla = mla_entries(r.served)
+        assert torch.equal(mla[local], mla_entries(one.served)[single]), (
             f"rank {r.rank}: fp8_ds_mla entries differ from one rank's"
         )
         untouched = torch.ones(mla.shape[0], dtype=torch.bool, device="cuda")
@@ -467,7 +384,7 @@ def test_dcp2_caches_hold_one_ranks_bytes(dcp2):
         assert (mla[untouched] == SENTINEL).all(), (
             f"rank {r.rank}: MLA slots it does not own were written"
         )
-        index_untouched = _index_entries(r.served, torch.nonzero(untouched).squeeze(1))
+        index_untouched = index_entries(r.served, torch.nonzero(untouched).squeeze(1))
         assert (index_untouched == SENTINEL).all(), (
             f"rank {r.rank}: indexer slots it does not own were written"
         )
@@ -497,7 +414,7 @@ def test_dcp2_indexer_logits_equal_one_ranks(dcp2):
         scores = torch.relu(dcp2.q_index[b, 0].float() @ keys.T)
         ref.append((scores * dcp2.head_w[b].unsqueeze(-1)).sum(0))
         got.append(one.logits[b, :length])
-    diff = _calc_diff(torch.cat(got), torch.cat(ref))
+    diff = calc_diff(torch.cat(got), torch.cat(ref))
     print(f"METRIC dcp2 one-rank logits calc_diff={diff:.3e}")
     assert diff < 1e-3, f"one-rank logits calc_diff {diff:.2e}"
     for r in dcp2.ranks:
@@ -505,7 +422,7 @@ def test_dcp2_indexer_logits_equal_one_ranks(dcp2):
         for b in range(len(CTX_LENS)):
             n = int(r.local_lens[b])
             local = torch.arange(n, device="cuda")
-            glob = _global_positions(local, r.rank, DCP, dcp2.interleave)
+            glob = dcp_global_positions(local, r.rank, DCP, dcp2.interleave)
             mine = r.logits[b, :n]
             assert torch.isfinite(mine).all(), f"rank {r.rank}: non-finite logits"
             theirs = one.logits[b, glob]
@@ -523,30 +440,15 @@ def test_dcp2_vllms_merge_equals_one_ranks(dcp2):
     """vLLM's DCP merge (``_merge_dcp_topk_global`` without the collective:
     its pack kernel per rank, the all-gather as a concatenation in rank
     order, its CuTe DSL selector) selects one rank's tokens."""
-    from vllm.utils.import_utils import has_cutedsl
-
-    if not has_cutedsl():
-        pytest.skip(
-            "CuTe DSL is not installed: vLLM's DCP top-k selector runs only on it "
-            "(shared/tools/offline-vllm/bundle_cutedsl.sh)"
-        )
-    try:
-        from vllm.model_executor.kernels.attention.dsa.dcp_indexer_cutedsl import (
-            pack_dcp_topk_candidates_cutedsl,
-            stable_topk_from_gathered_candidates_cutedsl,
-        )
-    except ImportError as e:
-        pytest.skip(f"vLLM's CuTe DSL merge does not import here ({e})")
+    pack, select = cutedsl_dcp_merge()
     packed = []
     for r in dcp2.ranks:
         candidates = torch.empty((*r.topk.shape, 2), dtype=torch.float32, device="cuda")
-        pack_dcp_topk_candidates_cutedsl(
-            r.logits, r.topk.clone(), candidates, r.rank, DCP, dcp2.interleave, None
-        )
+        pack(r.logits, r.topk.clone(), candidates, r.rank, DCP, dcp2.interleave, None)
         packed.append(candidates)
     gathered = torch.cat(packed, dim=1)
     merged = torch.empty_like(dcp2.one.topk)
-    stable_topk_from_gathered_candidates_cutedsl(gathered, TOPK, out=merged)
+    select(gathered, TOPK, out=merged)
     _assert_same_selection(merged, dcp2.one.topk, dcp2.one.logits, "vllm-merge")
     _assert_same_selection(merged, dcp2.merged, dcp2.one.logits, "vllm-vs-torch")
 
@@ -555,7 +457,7 @@ def test_dcp2_sparse_mla_decode_equals_one_ranks(dcp2):
     """FlashMLA sparse decode per rank at the merged top-k, combined as vLLM's
     DCP does (LSE correction on each rank, then the sum its reduce-scatter
     takes), against one rank at its own top-k."""
-    v, op = dcp2.v, _sparse_decode_op()
+    v, op = dcp2.v, flashmla_sparse_decode_op()
     out_one, lse_one, _ = _sparse_decode(
         v, op, dcp2.q_mla, dcp2.one, dcp2.one.topk, dcp2.interleave
     )

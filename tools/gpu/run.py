@@ -118,6 +118,14 @@ SUITES: dict[str, Suite] = {
         "DCP2's two ranks in one process against one rank (vLLM installed; "
         "its top-k merge test also needs the CuTe DSL, staged or skipped)",
     ),
+    "dcp1gpu-prefill": Suite(
+        "python3 -m pytest -m gpu -v -p no:cacheprovider "
+        "tests/kernels/test_dsa_dcp2_prefill_one_gpu.py >$LOGS/pytest.log 2>&1",
+        {**VLLM_ENV, **KERNEL_ENV},
+        600,
+        "DCP2's prefill path, both ranks in one process, against one rank "
+        "(vLLM installed; its top-k merge test also needs CuTe DSL)",
+    ),
     "e2e-bench-quick": Suite(
         "python3 benchmarks/e2e/bench_e2e_dsa.py "
         "--out $LOGS --modes fused dense --starts 1 --iters 1 "
