@@ -121,7 +121,7 @@ SUITES: dict[str, Suite] = {
     "dcp1gpu-prefill": Suite(
         "python3 -m pytest -m gpu -v -p no:cacheprovider "
         "tests/kernels/test_dsa_dcp2_prefill_one_gpu.py >$LOGS/pytest.log 2>&1",
-        {**VLLM_ENV, **KERNEL_ENV},
+        {**CUTE_ENV, **KERNEL_ENV},
         600,
         "DCP2's prefill path, both ranks in one process, against one rank "
         "(vLLM installed; its top-k merge test also needs CuTe DSL)",
