@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from vllm.models.kimi_k3.common import dsa_formats
-from vllm.models.kimi_k3.common.dsa_pages import split_packed_rows_into_kernel_pages
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
 from vllm.models.kimi_k3.nvidia.dsa_ops._extension import extension_available
+from vllm.v1.worker.kernel_pages import split_packed_rows_into_kernel_pages
 
 SENTINEL = 0xA5
 BLOCK = 64

@@ -104,12 +104,12 @@ from dsa_gpu_utils import (
     requires_kernels,
 )
 
-from vllm.models.kimi_k3.common.dsa_pages import kernel_page_slots
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats as F
 from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
     indexer_k_norm_quant_insert,
 )
+from vllm.v1.worker.kernel_pages import kernel_page_slots
 
 pytestmark = [pytest.mark.gpu, requires_kernels, requires_consumers]
 
