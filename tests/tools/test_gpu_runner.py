@@ -117,7 +117,9 @@ def test_the_named_suites_exist():
         assert "$LOGS" in suite.command
 
 
-def test_the_packed_gemm_suite_has_the_cute_dsl_after_vllm():
+def test_the_cute_dsl_suites_find_its_cutlass_before_vllms():
+    """On the H200 host vLLM's folder holds another ``cutlass``: the CuTe
+    DSL's ``dsl_packages`` comes first, then vLLM, then the rest of the DSL."""
     sys.path.insert(0, str(RUNNER.parent))
     try:
         import run
@@ -126,8 +128,9 @@ def test_the_packed_gemm_suite_has_the_cute_dsl_after_vllm():
     suite = run.SUITES["packed-gemm"]
     assert "bench_packed_gemm.py" in suite.command
     assert "--json $LOGS/packed_gemm.json" in suite.command
-    path = suite.env["PYTHONPATH"].split(":")
-    assert path[0] == str(run.SITE)
-    assert str(run.SITE_CUTE) in path[1:]
+    dsl = run.SITE_CUTE / "nvidia_cutlass_dsl" / "dsl_packages"
+    for name in ("packed-gemm", "dcp1gpu", "dcp1gpu-prefill"):
+        path = run.SUITES[name].env["PYTHONPATH"].split(":")
+        assert path == [str(dsl), str(run.SITE), str(run.SITE_CUTE)], name
     assert suite.env["VLLM_KIMI_K3_GEMM_AR"] == "0"
     assert suite.timeout_s <= 600

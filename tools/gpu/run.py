@@ -45,8 +45,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_STATE = ROOT / "build" / "gpu"
 STAGE = Path("/tmp/offline-vllm")
 SITE = Path("/tmp/site")
-# Where tools/offline-vllm's install_cutedsl.sh puts the CuTe DSL.
-SITE_CUTE = Path("/tmp/site-cute")
+# The CuTe DSL's wheels unzipped into one folder (docs/gpu_runbook.md, "The
+# CuTe DSL on the host": a pip --target install of them is not importable).
+SITE_CUTE = Path("/tmp/site-cute2")
 CONSUMERS = Path("/tmp/kimi-k3-consumers")
 # What a vLLM process needs on the host (tools/offline-vllm's README): no
 # FlashInfer, no CuTe DSL.
@@ -57,14 +58,14 @@ VLLM_ENV = {
     "VLLM_ENABLE_GEMM_RS": "0",
 }
 KERNEL_ENV = {"KIMI_K3_DEVICE_DIR": str(CONSUMERS)}
-# vLLM's environment with the CuTe DSL after vLLM on the path. ``cutlass``
-# itself sits in nvidia_cutlass_dsl/dsl_packages, which the wheel adds
-# through a .pth file; Python reads .pth files in site-packages only, not in
-# a PYTHONPATH folder (a pip --target install), so it is named here.
+# vLLM's environment with the CuTe DSL. ``cutlass`` itself sits in
+# nvidia_cutlass_dsl/dsl_packages, which the wheel adds through a .pth file;
+# Python reads .pth files in site-packages only, not in a PYTHONPATH folder,
+# so it is named here, first: vLLM's folder holds another ``cutlass``.
 CUTE_ENV = {
     **VLLM_ENV,
     "PYTHONPATH": ":".join(
-        map(str, (SITE, SITE_CUTE, SITE_CUTE / "nvidia_cutlass_dsl" / "dsl_packages"))
+        map(str, (SITE_CUTE / "nvidia_cutlass_dsl" / "dsl_packages", SITE, SITE_CUTE))
     ),
 }
 
