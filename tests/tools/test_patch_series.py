@@ -76,18 +76,65 @@ def test_placeholder_must_be_imported_by_the_seam() -> None:
         series.resolve_modules(edits, {}, "s")
 
 
-def test_generic_engine_edit_may_not_import_model_code() -> None:
-    """An edit of a generic engine file calls helpers of a generic module,
-    never of a model's folder; a model's own file may import its folder."""
+@pytest.mark.parametrize(
+    "path",
+    [
+        "vllm/v1/worker/utils.py",
+        "vllm/platforms/interface.py",
+        "vllm/model_executor/model_loader/default_loader.py",
+        "vllm/model_executor/layers/linear.py",
+    ],
+)
+def test_generic_edit_may_not_import_model_code(path: str) -> None:
+    """An edit of generic code (the engine, the platforms, the model executor
+    outside its models/) calls helpers of a generic module, never of a
+    model's folder."""
     line = "from <<helper>> import helper\n"
-    engine = (Edit("vllm/v1/worker/utils.py", "x", line),)
-    with pytest.raises(series.SeriesError, match="generic engine file"):
-        series.resolve_modules(engine, {"helper": "vllm.models.m.h"}, "s")
-    (edit,) = series.resolve_modules(engine, {"helper": "vllm.v1.worker.h"}, "s")
+    generic = (Edit(path, "x", line),)
+    with pytest.raises(series.SeriesError, match="a generic file of vLLM"):
+        series.resolve_modules(generic, {"helper": "vllm.models.m.h"}, "s")
+    (edit,) = series.resolve_modules(generic, {"helper": "vllm.v1.worker.h"}, "s")
     assert edit.replacement == "from vllm.v1.worker.h import helper\n"
-    model = (Edit("vllm/models/m/model.py", "x", line),)
+
+
+@pytest.mark.parametrize(
+    "path", ["vllm/models/m/model.py", "vllm/model_executor/models/config.py"]
+)
+def test_model_edit_may_import_model_code(path: str) -> None:
+    """A model's own file, in vllm/models/ or vllm/model_executor/models/,
+    may import a model's folder."""
+    line = "from <<helper>> import helper\n"
+    model = (Edit(path, "x", line),)
     (edit,) = series.resolve_modules(model, {"helper": "vllm.models.m.h"}, "s")
     assert edit.replacement == "from vllm.models.m.h import helper\n"
+
+
+def test_series_generic_edits_import_no_model_code() -> None:
+    """No edit of the series in generic code names a model's package: the
+    default loader reaches Kimi K3.1's indexer check through the model's
+    check_weights_not_loaded hook, which the Kimi K3 classes implement."""
+    patches = series.build_series(ROOT)
+    generic = [e for p in patches for e in p.edits if series.is_generic_code(e.path)]
+    assert any(e.path.startswith("vllm/model_executor/") for e in generic)
+    for edit in generic:
+        assert series.MODELS_PACKAGE not in edit.replacement, edit.path
+    (post_load,) = (p for p in patches if p.slug == "seam-dsa_post_load")
+    loader = "vllm/model_executor/model_loader/default_loader.py"
+    (hook,) = (e for e in post_load.edits if e.path == loader)
+    assert 'getattr(model, "check_weights_not_loaded", None)' in hook.replacement
+    assert "check(weights_not_loaded)" in hook.replacement
+    implemented = [
+        e
+        for e in post_load.edits
+        if "def check_weights_not_loaded(self, weights_not_loaded: set[str])"
+        in e.replacement
+    ]
+    assert {e.path for e in implemented} == {
+        "vllm/models/kimi_k3/nvidia/model.py",
+        "vllm/models/kimi_k3/nvidia/mtp.py",
+    }
+    assert len(implemented) == 3
+    assert "check_weights_not_loaded" in post_load.message
 
 
 def test_every_file_of_ours_in_exactly_one_patch() -> None:

@@ -40,8 +40,11 @@ _K3 = "vllm/models/kimi_k3"
 # Our one generic module of vLLM's engine: it knows no model, and the series'
 # edits of generic engine files import our helpers from it only.
 GENERIC_ENGINE_MODULE = "vllm/v1/worker/kernel_pages.py"
-# Upstream files of the generic engine, which must not import model code.
-ENGINE_PREFIXES = ("vllm/v1/", "vllm/platforms/")
+# Upstream files of the generic engine and of the generic model executor
+# (its loaders, layers and utilities), which must not import model code; the
+# models' own files under vllm/model_executor/models/ may.
+ENGINE_PREFIXES = ("vllm/v1/", "vllm/platforms/", "vllm/model_executor/")
+MODEL_EXECUTOR_MODELS = "vllm/model_executor/models/"
 MODELS_PACKAGE = "vllm.models."
 
 
@@ -319,12 +322,22 @@ def seam_imports(root: Path, name: str) -> dict[str, str]:
     return found
 
 
+def is_generic_code(path: str) -> bool:
+    """Whether ``path`` is an upstream file of vLLM's generic code
+    (:data:`ENGINE_PREFIXES`), not a model's own file."""
+    return path.startswith(ENGINE_PREFIXES) and not path.startswith(
+        MODEL_EXECUTOR_MODELS
+    )
+
+
 def resolve_modules(edits: Iterable[Edit], imports: dict[str, str], seam: str):
     """Replace each ``<<name>>`` in the edits by the module the plugin seam
     imports ``name`` from: the in-tree edit calls the very function the seam
-    calls, wherever the model code keeps it. An edit of a generic engine file
-    (:data:`ENGINE_PREFIXES`) may not import from a model's folder: a
-    generic helper it calls lives in a generic module."""
+    calls, wherever the model code keeps it. An edit of generic code
+    (:func:`is_generic_code`: the engine, the platforms, the model executor
+    outside its ``models/``) may not import from a model's folder: a generic
+    helper it calls lives in a generic module, and model-specific behaviour
+    comes in through a hook the model class implements."""
 
     def resolver(path: str):
         def module(match: re.Match[str]) -> str:
@@ -335,11 +348,13 @@ def resolve_modules(edits: Iterable[Edit], imports: dict[str, str], seam: str):
                     f"{PLUGIN_DIR}/{seam}.py does not import"
                 )
             found = imports[name]
-            if path.startswith(ENGINE_PREFIXES) and found.startswith(MODELS_PACKAGE):
+            if is_generic_code(path) and found.startswith(MODELS_PACKAGE):
                 raise SeriesError(
-                    f"the in-tree edit of seam {seam} in {path}, a generic engine "
-                    f"file, imports {name} from {found}, a model's folder: move "
-                    f"{name} to a generic module (e.g. {GENERIC_ENGINE_MODULE})"
+                    f"the in-tree edit of seam {seam} in {path}, a generic file "
+                    f"of vLLM, imports {name} from {found}, a model's folder: "
+                    f"move {name} to a generic module (e.g. "
+                    f"{GENERIC_ENGINE_MODULE}) or call it from a hook the model "
+                    "class implements"
                 )
             return found
 
@@ -443,9 +458,11 @@ def build_series(root: Path) -> list[Patch]:
         all_imports.update(seam_imports(root, name))
     for name in names:
         spec = importlib.import_module(f"patch_series.seams.{name}")
+        note = getattr(spec, "IN_TREE_NOTE", "").strip()
         body = (
             f"{seam_docstring(root, name)}\n\n"
-            f"The overlay (vllm-kimi-k3-dsa) applies this edit as the plugin seam\n"
+            + (f"{note}\n\n" if note else "")
+            + f"The overlay (vllm-kimi-k3-dsa) applies this edit as the plugin seam\n"
             f"{PLUGIN_DIR}/{name}.py, which calls the same functions."
         )
         # An anchor may quote an earlier seam's import: every seam's imports
