@@ -22,11 +22,10 @@ def topk_buffer(rows: int = 256) -> torch.Tensor:
     return torch.full((rows, TOPK), -1, dtype=torch.int32)
 
 
-def build(env, text_config=None, prefix: str | None = None, **kwargs: Any):
-    """A KimiK3DSAAttention with the model's constructor arguments."""
-    config = text_config if text_config is not None else env.text_config()
-    kwargs.setdefault("topk_indices_buffer", topk_buffer())
-    return D.KimiK3DSAAttention(
+def mla_dims(config) -> dict[str, Any]:
+    """The MLA dimensions the decoder layer passes its attention, from the
+    text config (``config`` included)."""
+    return dict(
         config=config,
         hidden_size=config.hidden_size,
         num_heads=config.num_attention_heads,
@@ -35,6 +34,15 @@ def build(env, text_config=None, prefix: str | None = None, **kwargs: Any):
         v_head_dim=config.v_head_dim,
         q_lora_rank=config.q_lora_rank,
         kv_lora_rank=config.kv_lora_rank,
+    )
+
+
+def build(env, text_config=None, prefix: str | None = None, **kwargs: Any):
+    """A KimiK3DSAAttention with the model's constructor arguments."""
+    config = text_config if text_config is not None else env.text_config()
+    kwargs.setdefault("topk_indices_buffer", topk_buffer())
+    return D.KimiK3DSAAttention(
+        **mla_dims(config),
         cache_config=env.vllm_config.cache_config,
         quant_config=None,
         prefix=prefix or env.prefix(),

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from layer_builders import mla_dims
 
 from vllm.plugins.kimi_k3_dsa import _on_import
 
@@ -111,14 +112,7 @@ def test_factory_builds_dense_mla_without_dsa_config(dsa_layer_env) -> None:
     )
     with set_default_torch_dtype(torch.bfloat16):
         layer = kimi_k3_attention_factory(
-            config=config,
-            hidden_size=config.hidden_size,
-            num_heads=config.num_attention_heads,
-            qk_nope_head_dim=config.qk_nope_head_dim,
-            qk_rope_head_dim=config.qk_rope_head_dim,
-            v_head_dim=config.v_head_dim,
-            q_lora_rank=config.q_lora_rank,
-            kv_lora_rank=config.kv_lora_rank,
+            **mla_dims(config),
             use_output_gate=True,
             cache_config=dsa_layer_env.vllm_config.cache_config,
             quant_config=None,
@@ -136,17 +130,7 @@ def test_factory_refuses_mla_arguments_the_dsa_layer_lacks(dsa_layer_env) -> Non
     from vllm.plugins.kimi_k3_dsa.dsa_layers import kimi_k3_attention_factory
 
     config = KimiLinearDSAConfig(**tiny_text_config(dsa=True))
-    args = dict(
-        config=config,
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        qk_nope_head_dim=config.qk_nope_head_dim,
-        qk_rope_head_dim=config.qk_rope_head_dim,
-        v_head_dim=config.v_head_dim,
-        q_lora_rank=config.q_lora_rank,
-        kv_lora_rank=config.kv_lora_rank,
-        prefix="model.layers.3.self_attn",
-    )
+    args = dict(**mla_dims(config), prefix="model.layers.3.self_attn")
     with pytest.raises(TypeError, match=r"unsupported MLA arguments \['use_rope'\]"):
         kimi_k3_attention_factory(**args, use_rope=False)
     with pytest.raises(TypeError):
