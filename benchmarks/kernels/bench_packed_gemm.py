@@ -77,7 +77,6 @@ import importlib
 import importlib.util
 import json
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -88,6 +87,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gpu_timing import copy_bandwidth, time_graph
 
 from vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm import (
     ShapeDynamicSkinnyGemm,
@@ -515,58 +515,6 @@ def ensure_context() -> None:
         sync()
     except Exception as e:
         raise ContextLost(f"{type(e).__name__}: {e}") from e
-
-
-def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(times[3:])
-
-
-def time_graph(fn: Callable[[int], Any], calls: int, reps: int) -> float:
-    """Median microseconds per call under replay of a graph of ``calls``
-    calls (``fn(i)`` for call i)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(min(calls, 3)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.current_stream()
-    try:
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                fn(i)
-    except Exception:
-        # A failed capture may leave its stream current; the next point
-        # must not run on it.
-        torch.cuda.set_stream(stream)
-        raise
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
 
 
 def num_sets(weight_bytes: int, l2_bytes: int, max_sets: int) -> int:

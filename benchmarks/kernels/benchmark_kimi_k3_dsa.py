@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import math
-import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -38,8 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gpu_timing
 import torch
 import torch.nn.functional as F
+from gpu_timing import copy_bandwidth
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
@@ -495,48 +496,11 @@ def query_case(dims: Dims, fp4: bool, block_h: int | None = None) -> Case:
 # ---------------------------------------------------------------------------
 
 
-def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * nbytes / statistics.median(times[3:])
-
-
 def time_graph(
     fn: Callable[[dict, int], Any], st: dict, num_sets: int, reps: int
 ) -> float:
     """Median microseconds per call under graph replay of one call per set."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(min(num_sets, 3)):
-            fn(st, i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(num_sets):
-            fn(st, i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / num_sets)
-    del graph
-    return statistics.median(times)
+    return gpu_timing.time_graph(lambda i: fn(st, i), num_sets, reps)
 
 
 def num_sets_for(case: Case, t: int, l2_bytes: int, max_sets: int) -> int:
