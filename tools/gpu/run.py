@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,12 +44,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Git-ignored, so the host keeps it between commands; --state overrides.
 DEFAULT_STATE = ROOT / "build" / "gpu"
-STAGE = Path("/tmp/offline-vllm")
-SITE = Path("/tmp/site")
+# The host's scratch folder, which the offline bundle's install.sh also uses
+# (its /tmp/site); KIMI_K3_GPU_HOST_TMP overrides it on another host.
+HOST_TMP = Path(os.environ.get("KIMI_K3_GPU_HOST_TMP", tempfile.gettempdir()))
+STAGE = HOST_TMP / "offline-vllm"
+SITE = HOST_TMP / "site"
 # The CuTe DSL's wheels unzipped into one folder (docs/gpu_runbook.md, "The
 # CuTe DSL on the host": a pip --target install of them is not importable).
-SITE_CUTE = Path("/tmp/site-cute2")
-CONSUMERS = Path("/tmp/kimi-k3-consumers")
+SITE_CUTE = HOST_TMP / "site-cute2"
+CONSUMERS = HOST_TMP / "kimi-k3-consumers"
 # What a vLLM process needs on the host (tools/offline-vllm's README): no
 # FlashInfer, no CuTe DSL.
 VLLM_ENV = {
