@@ -6,6 +6,7 @@ path's composition (kernels recorded, not run)."""
 
 from __future__ import annotations
 
+from dataclasses import astuple
 from typing import Any
 
 import pytest
@@ -107,17 +108,37 @@ def test_request_low_latency_warmup_is_noop_on_cpu():
     assert LL.request_low_latency_warmup(torch.empty(16, 8)) is False
 
 
-def test_packed_plan_configs_satisfy_kernel_constraints():
+@pytest.mark.parametrize("major", [9, 10])
+def test_packed_plan_configs_satisfy_kernel_constraints(major):
+    """SM90 runs the measured winners (cuBLAS where the skinny GEMM lost);
+    SM10x, not measured, the kernel's heuristic at every M."""
     pytest.importorskip("vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm")
+    measured = LL.PACKED_SHAPE_CONFIG_OVERRIDES.get(major, {})
     for n, k in LL.kimi_k31_packed_shapes():
-        plan = LL._packed_plan(n, k)
-        assert set(plan) == set(range(1, LL.LOW_LATENCY_MAX_TOKENS + 1)), (n, k)
+        plan = LL._packed_plan(n, k, major)
+        expected = set(range(1, LL.LOW_LATENCY_MAX_TOKENS + 1))
+        if (n, k) in measured:
+            assert set(measured[n, k]) == expected, (n, k)
+            expected = {m for m, fields in measured[n, k].items() if fields}
+            for m in expected:
+                assert astuple(plan[m])[:5] == measured[n, k][m]
+        assert set(plan) == expected, (n, k)
         for m, config in plan.items():
             assert config.num_rows == m
             assert n % config.outputs_per_block == 0
             assert k % (config.block_size * config.vector_width) == 0
     # Shapes that are not packed Kimi K3.1 shapes get no plan.
-    assert LL._packed_plan(2112, 7168) == {}
+    assert LL._packed_plan(2112, 7168, major) == {}
+
+
+def test_sm90_runs_the_skinny_gemm_only_where_it_was_measured_faster():
+    """The H200 measurements: 1-4 tokens for the input projection, 1-2 for
+    the query projection at every TP size; cuBLAS beyond."""
+    pytest.importorskip("vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm")
+    assert set(LL._packed_plan(2272, 7168, 9)) == {1, 2, 3, 4}
+    for tp_size in LL.PACKED_TP_SIZES:
+        rows = LL.packed_query_rows(LL.KIMI_K31_NUM_HEADS // tp_size)
+        assert set(LL._packed_plan(rows, 1536, 9)) == {1, 2}
 
 
 # --------------------------------------------------------------------------
@@ -306,11 +327,12 @@ def test_request_warmup_registers_the_plan(monkeypatch):
         def request_warmup_configs(self, dtype, configs, **kwargs):
             requested.append((dtype, set(configs)))
 
-    monkeypatch.setattr(LL, "_device_supported", lambda device: True)
+    monkeypatch.setattr(LL, "_device_major", lambda device: 9)
     monkeypatch.setattr(LL, "_skinny_gemm", lambda: FakeGemm())
     packed = torch.empty(2272, 7168, dtype=torch.bfloat16)
     assert LL.request_low_latency_warmup(packed) is True
-    assert requested == [(torch.bfloat16, set(LL._packed_plan(2272, 7168).values()))]
+    plan = LL._packed_plan(2272, 7168, 9)
+    assert requested == [(torch.bfloat16, set(plan.values()))]
     # Not a packed Kimi K3.1 shape, or not bf16: nothing requested.
     assert LL.request_low_latency_warmup(torch.empty(2112, 7168)) is False
     assert (
@@ -324,11 +346,17 @@ def test_packed_shape_overrides_replace_heuristic(monkeypatch):
     skinny = pytest.importorskip(
         "vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm"
     )
-    measured = skinny.SkinnyGemmConfig(1, 64, 2, 2)
-    monkeypatch.setitem(LL.PACKED_SHAPE_CONFIG_OVERRIDES, (6400, 1536), {1: measured})
+    monkeypatch.setitem(
+        LL.PACKED_SHAPE_CONFIG_OVERRIDES,
+        10,
+        {(6400, 1536): {1: (1, 64, 2, 2, 8), 2: None}},
+    )
     LL._packed_plan.cache_clear()
     try:
-        assert LL._packed_plan(6400, 1536)[1] is measured
+        plan = LL._packed_plan(6400, 1536, 10)
+        assert plan[1] == skinny.SkinnyGemmConfig(1, 64, 2, 2, 8)
+        assert 2 not in plan  # None: cuBLAS
+        assert set(plan) == set(range(1, LL.LOW_LATENCY_MAX_TOKENS + 1)) - {2}
     finally:
         LL._packed_plan.cache_clear()
 

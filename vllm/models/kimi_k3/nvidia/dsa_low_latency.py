@@ -24,13 +24,12 @@ None for them. What this module adds, and what is still missing:
   tokens, and falls back to ``F.linear`` (cuBLAS) for everything else: other
   shapes, more tokens, non-bf16, non-CUDA tensors, batch-invariant mode, a
   missing CuTe DSL.
-* The skinny-GEMM configs of the packed shapes are the kernel's own shape
-  heuristic (``ShapeDynamicSkinnyGemm._config``, what it runs when called
-  without a config), **not measurements**: the ``dsv3_fused_a`` kernel is
-  compiled for fixed shapes and cannot take them, and nobody has measured the
-  packed shapes against cuBLAS on SM90/SM100/SM103 yet. Measured
-  ``ProjectionSpec`` entries belong in 0.33.0's tables (or in
-  :data:`PACKED_SHAPE_CONFIG_OVERRIDES` here) once they exist.
+* The skinny-GEMM configs of the packed shapes: on SM90 the measured winners
+  of :data:`PACKED_SHAPE_CONFIG_OVERRIDES` (cuBLAS where the skinny GEMM
+  lost); elsewhere, until measured, the kernel's own shape heuristic
+  (``ShapeDynamicSkinnyGemm._config``, what it runs when called without a
+  config). The ``dsv3_fused_a`` kernel is compiled for fixed shapes and cannot
+  take them.
 * :func:`request_low_latency_warmup` registers exactly the configs a packed
   weight will run with 0.33.0's CuTe-DSL warmup (compiled before CUDA-graph
   capture, never during it).
@@ -99,9 +98,51 @@ def kimi_k31_packed_shapes() -> frozenset[tuple[int, int]]:
     return frozenset(shapes)
 
 
-# ``{(N, K): {M: SkinnyGemmConfig}}``: measured configs that replace the
-# heuristic for a packed shape (empty until the packed shapes are measured).
-PACKED_SHAPE_CONFIG_OVERRIDES: dict[tuple[int, int], dict[int, object]] = {}
+# SkinnyGemmConfig fields (num_rows, block_size, outputs_per_block, k_unroll,
+# vector_width) of a measured config, or None where cuBLAS was faster.
+MeasuredConfig = tuple[int, int, int, int, int] | None
+
+# The H200 (SM90), ``benchmarks/kernels/bench_packed_gemm.py``
+# (docs/benchmarks.md): the fastest skinny config where it beats cuBLAS by
+# 5 %, else None. The skinny GEMM wins at 1-4 tokens for the input projection
+# and 1-2 for the query projection; beyond, its heuristic is up to 4x slower
+# than cuBLAS.
+_SM90_MEASURED: dict[tuple[int, int], dict[int, MeasuredConfig]] = {
+    (2272, 7168): {
+        1: (1, 224, 2, 4, 8),
+        2: (2, 64, 2, 2, 8),
+        3: (3, 64, 2, 2, 8),
+        4: (4, 64, 2, 2, 8),
+        **dict.fromkeys(range(5, LOW_LATENCY_MAX_TOKENS + 1)),
+    },
+    (6400, 1536): {
+        1: (1, 96, 4, 2, 4),
+        2: (2, 96, 4, 1, 8),
+        **dict.fromkeys(range(3, LOW_LATENCY_MAX_TOKENS + 1)),
+    },
+    (8704, 1536): {
+        1: (1, 96, 4, 2, 4),
+        2: (2, 96, 4, 1, 8),
+        **dict.fromkeys(range(3, LOW_LATENCY_MAX_TOKENS + 1)),
+    },
+    (13312, 1536): {
+        1: (1, 96, 4, 2, 4),
+        2: (2, 96, 4, 1, 8),
+        **dict.fromkeys(range(3, LOW_LATENCY_MAX_TOKENS + 1)),
+    },
+    (22528, 1536): {
+        1: (1, 96, 4, 2, 4),
+        2: (2, 96, 4, 1, 8),
+        **dict.fromkeys(range(3, LOW_LATENCY_MAX_TOKENS + 1)),
+    },
+}
+
+# ``{capability major: {(N, K): {M: fields or None}}}``: measured winners that
+# replace the skinny GEMM's heuristic for a packed shape; None runs cuBLAS.
+# A device or M without an entry keeps the heuristic.
+PACKED_SHAPE_CONFIG_OVERRIDES: dict[
+    int, dict[tuple[int, int], dict[int, MeasuredConfig]]
+] = {9: _SM90_MEASURED}
 
 
 def _skinny_gemm():
@@ -117,34 +158,46 @@ def _skinny_gemm():
     return shape_dynamic_skinny_gemm
 
 
-def _device_supported(device: torch.device) -> bool:
-    """The capabilities 0.33.0's Kimi K3 low-latency GEMM serves (SM90,
-    SM100, SM103, SM107)."""
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def _device_major(device: torch.device) -> int | None:
+    """The device's capability major where 0.33.0's Kimi K3 low-latency GEMM
+    serves it (SM90, SM100, SM103, SM107), else None."""
     if device.type != "cuda":
-        return False
-    major, _ = torch.cuda.get_device_capability(device)
-    return major in (9, 10)
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major = _capability_major(index)
+    return major if major in (9, 10) else None
 
 
 @functools.cache
-def _packed_plan(n: int, k: int) -> dict[int, object]:
-    """``{M: SkinnyGemmConfig}`` for a packed shape; M without a valid config
-    is left out (it falls back to cuBLAS)."""
+def _packed_plan(n: int, k: int, major: int) -> dict[int, object]:
+    """``{M: SkinnyGemmConfig}`` for a packed shape on a device of capability
+    ``major``; an M measured slower than cuBLAS, or without a valid config,
+    is left out (it runs cuBLAS)."""
     if (n, k) not in kimi_k31_packed_shapes():
         return {}
     try:
         from vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm import (
             ShapeDynamicSkinnyGemm,
+            SkinnyGemmConfig,
         )
     except ImportError:
         return {}
     heuristic = getattr(ShapeDynamicSkinnyGemm, "_config", None)
-    overrides = PACKED_SHAPE_CONFIG_OVERRIDES.get((n, k), {})
+    overrides = PACKED_SHAPE_CONFIG_OVERRIDES.get(major, {}).get((n, k), {})
     plan: dict[int, object] = {}
     for num_tokens in range(1, LOW_LATENCY_MAX_TOKENS + 1):
-        config = overrides.get(num_tokens)
-        if config is None and heuristic is not None:
+        if num_tokens in overrides:
+            fields = overrides[num_tokens]
+            config = None if fields is None else SkinnyGemmConfig(*fields)
+        elif heuristic is not None:
             config = heuristic(num_tokens, n, k)
+        else:
+            config = None
         if config is None:
             continue
         # The kernel's own shape constraints (skinny_gemm.py, __call__).
@@ -198,14 +251,13 @@ def low_latency_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if out is not None:
             return out
         if 1 <= x.shape[0] <= LOW_LATENCY_MAX_TOKENS and _runtime_ok(x, weight):
-            config = _packed_plan(weight.shape[0], weight.shape[1]).get(x.shape[0])
-            gemm = _skinny_gemm() if config is not None else None
-            if (
-                gemm is not None
-                and _device_supported(x.device)
-                and _aligned_rows(x, config)
-            ):
-                return gemm(x, weight, config, None)
+            major = _device_major(x.device)
+            if major is not None:
+                plan = _packed_plan(weight.shape[0], weight.shape[1], major)
+                config = plan.get(x.shape[0])
+                gemm = _skinny_gemm() if config is not None else None
+                if gemm is not None and _aligned_rows(x, config):
+                    return gemm(x, weight, config, None)
     return F.linear(x, weight)
 
 
@@ -215,14 +267,12 @@ def request_low_latency_warmup(weight: torch.Tensor) -> bool:
     capture. Returns whether anything was requested (False on the CPU, for
     non-bf16 weights, shapes that are not packed Kimi K3.1 shapes, or without
     the CuTe DSL)."""
-    if (
-        weight.dim() != 2
-        or weight.dtype != torch.bfloat16
-        or envs.VLLM_BATCH_INVARIANT
-        or not _device_supported(weight.device)
-    ):
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or envs.VLLM_BATCH_INVARIANT:
         return False
-    plan = _packed_plan(weight.shape[0], weight.shape[1])
+    major = _device_major(weight.device)
+    if major is None:
+        return False
+    plan = _packed_plan(weight.shape[0], weight.shape[1], major)
     gemm = _skinny_gemm() if plan else None
     if gemm is None:
         return False
