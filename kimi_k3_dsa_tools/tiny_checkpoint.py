@@ -155,14 +155,46 @@ TINY_REAL_ATTENTION: dict[str, Any] = {
 }
 
 
-def real_attention_overrides(dsa: bool = True) -> dict[str, Any]:
+# At most this many repeats of the four-layer block (each DSA layer weighs
+# ~110 MB; 24 blocks are the real model's 24 DSA layers).
+MAX_ATTENTION_BLOCKS = 24
+
+
+def real_attention_overrides(dsa: bool = True, blocks: int = 1) -> dict[str, Any]:
     """Text-config overrides (a fresh copy of :data:`TINY_REAL_ATTENTION`) for
     :func:`write_tiny_checkpoint` and friends: Kimi K3.1's real attention
     dimensions on a small model. ``dsa=False`` leaves out ``dsa_config``, as
-    the plain Kimi K3 config has none."""
+    the plain Kimi K3 config has none.
+
+    ``blocks`` repeats the real model's layer pattern (three KDA layers, then
+    one attention layer) that many times: with one attention layer of four, a
+    decode step is the engine's fixed host cost, whatever its attention
+    does; more blocks give the attention the share of the step it has in the
+    real model (24 of 93 layers)."""
+    if not 1 <= blocks <= MAX_ATTENTION_BLOCKS:
+        raise ValueError(
+            f"blocks={blocks}: give 1 to {MAX_ATTENTION_BLOCKS} repeats of the "
+            "three-KDA, one-attention layer block"
+        )
     overrides = copy.deepcopy(TINY_REAL_ATTENTION)
     if not dsa:
         del overrides["dsa_config"]
+    if blocks > 1:
+        period = len(TINY_REAL_ATTENTION_KDA_LAYERS) + len(
+            TINY_REAL_ATTENTION_FULL_ATTN_LAYERS
+        )
+        linear = overrides["linear_attn_config"]
+        linear["kda_layers"] = [
+            block * period + layer
+            for block in range(blocks)
+            for layer in TINY_REAL_ATTENTION_KDA_LAYERS
+        ]
+        linear["full_attn_layers"] = [
+            block * period + layer
+            for block in range(blocks)
+            for layer in TINY_REAL_ATTENTION_FULL_ATTN_LAYERS
+        ]
+        overrides["num_hidden_layers"] = blocks * period
     return overrides
 
 

@@ -43,6 +43,7 @@ from typing import NoReturn
 
 from kimi_k3_dsa_tools.tiny_checkpoint import (
     CHECKPOINT_FILE,
+    MAX_ATTENTION_BLOCKS,
     checkpoint_dir_mode,
     real_attention_overrides,
     write_checkpoint_files,
@@ -241,6 +242,14 @@ def _parser() -> argparse.ArgumentParser:
         help="Kimi K3.1's real attention dimensions (96 heads, 12 per rank at "
         "TP 8; 32 x 128 indexer heads, top-k 2048), the rest small (~220 MB)",
     )
+    parser.add_argument(
+        "--attention-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --real-attention: repeat its layer block (three KDA layers, "
+        f"one attention layer) N times, 1 to {MAX_ATTENTION_BLOCKS} (1)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="random seed (0)")
     parser.add_argument(
         "--force",
@@ -258,6 +267,15 @@ def main(argv: list[str] | None = None) -> None:
         _exit("--config-only writes the text-only config; drop --multimodal", 2)
     if args.config_only and args.seed is not None:
         _exit("--seed has no effect with --config-only (no weights)", 2)
+    if args.attention_blocks is not None:
+        if not args.real_attention:
+            _exit("--attention-blocks needs --real-attention", 2)
+        if not 1 <= args.attention_blocks <= MAX_ATTENTION_BLOCKS:
+            _exit(
+                f"--attention-blocks {args.attention_blocks} is out of range; "
+                f"give 1 to {MAX_ATTENTION_BLOCKS}",
+                2,
+            )
     seed = 0 if args.seed is None else args.seed
     if not 0 <= seed < 2**64:
         _exit(f"--seed {seed} is out of range; give 0 to 2**64 - 1", 2)
@@ -269,7 +287,8 @@ def main(argv: list[str] | None = None) -> None:
         _exit(f"cannot inspect {args.out_dir}: {_reason(error)}", 1)
 
     dsa = not args.no_dsa
-    overrides = real_attention_overrides(dsa) if args.real_attention else None
+    blocks = 1 if args.attention_blocks is None else args.attention_blocks
+    overrides = real_attention_overrides(dsa, blocks) if args.real_attention else None
     try:
         aside = _write_checkpoint_dir(
             target,

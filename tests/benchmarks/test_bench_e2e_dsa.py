@@ -150,21 +150,31 @@ def test_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert "left out" in out and "131072x64" in out
 
 
-def test_bad_counts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("option", ["--starts", "--attention-blocks"])
+def test_bad_counts_are_refused(
+    capsys: pytest.CaptureFixture[str], option: str
+) -> None:
     with pytest.raises(SystemExit):
-        E.parse_args(["--starts", "0"])
-    assert "--starts must be at least 1" in capsys.readouterr().err
+        E.parse_args([option, "0"])
+    assert f"{option} must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "kv_gib"),
+    [([], 6), (["--attention-blocks", "4", "--kv-cache-gib", "24"], 24)],
+    ids=["one-block", "four-blocks"],
+)
 def test_engine_arguments_pass_vllms_configuration(
-    tmp_path: Path, engine_config
+    tmp_path: Path, engine_config, argv: list[str], kv_gib: int
 ) -> None:
     """Both checkpoints, at the longest row's length, through vLLM's real
     configuration path with the engines' arguments (the DSA verifier
     included): the sitting must not find a refused config."""
-    args = E.parse_args(["--dry-run"])
+    args = E.parse_args(["--dry-run", *argv])
     args.start = 0
-    ckpts = E.write_checkpoints(tmp_path, seed=0, config_only=True)
+    ckpts = E.write_checkpoints(
+        tmp_path, seed=0, config_only=True, blocks=args.attention_blocks
+    )
     max_len = 131072 + args.output_len
     for kind, path in ckpts.items():
         kwargs = E.engine_kwargs(str(path), max_len, args)
@@ -173,6 +183,12 @@ def test_engine_arguments_pass_vllms_configuration(
         assert cfg.model_config.max_model_len == max_len
         assert cfg.scheduler_config.max_num_batched_tokens == 32768
         assert cfg.scheduler_config.max_num_seqs == E.MAX_NUM_SEQS
-        assert cfg.cache_config.kv_cache_memory_bytes == 6 * 2**30
-        has_dsa = getattr(cfg.model_config.hf_text_config, "dsa_config", None)
+        assert cfg.cache_config.kv_cache_memory_bytes == kv_gib * 2**30
+        text = cfg.model_config.hf_text_config
+        has_dsa = getattr(text, "dsa_config", None)
         assert (has_dsa is not None) == (kind == "dsa")
+        blocks = args.attention_blocks
+        assert text.num_hidden_layers == 4 * blocks
+        assert text.linear_attn_config["full_attn_layers"] == [
+            4 * (b + 1) for b in range(blocks)
+        ]

@@ -181,6 +181,27 @@ BAD = [
         ["--seed has no effect with --config-only"],
     ),
     ("negative-seed", _nothing, ["new", "--seed", "-1"], 2, ["--seed -1 is out"]),
+    (
+        "blocks-without-real-attention",
+        _nothing,
+        ["new", "--attention-blocks", "4"],
+        2,
+        ["--attention-blocks needs --real-attention"],
+    ),
+    (
+        "zero-blocks",
+        _nothing,
+        ["new", "--real-attention", "--attention-blocks", "0"],
+        2,
+        ["--attention-blocks 0 is out of range", "give 1 to 24"],
+    ),
+    (
+        "too-many-blocks",
+        _nothing,
+        ["new", "--real-attention", "--attention-blocks", "25"],
+        2,
+        ["--attention-blocks 25 is out of range", "give 1 to 24"],
+    ),
     ("misspelt-option", _nothing, ["new", "--forse"], 2, ["unrecognized arguments"]),
 ]
 

@@ -196,6 +196,35 @@ def test_cli_flag_with_config_only_and_no_dsa(
     assert plain == T.tiny_text_config(dsa=False, **T.real_attention_overrides(False))
 
 
+@pytest.mark.parametrize("dsa", [True, False])
+def test_attention_blocks_repeat_the_layer_pattern(dsa: bool) -> None:
+    one = T.real_attention_overrides(dsa)
+    four = T.real_attention_overrides(dsa, blocks=4)
+    linear = four["linear_attn_config"]
+    assert four["num_hidden_layers"] == 16
+    assert linear["kda_layers"] == [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15]
+    assert linear["full_attn_layers"] == [4, 8, 12, 16]
+    # Everything else is the one-block variant's.
+    for key in ("num_hidden_layers", "linear_attn_config"):
+        del one[key], four[key]
+    assert four == one
+    assert T.real_attention_overrides(dsa, blocks=1) == T.real_attention_overrides(dsa)
+
+
+@pytest.mark.parametrize("blocks", [0, -1, T.MAX_ATTENTION_BLOCKS + 1])
+def test_attention_blocks_out_of_range_are_refused(blocks: int) -> None:
+    with pytest.raises(ValueError, match=f"blocks={blocks}: give 1 to 24"):
+        T.real_attention_overrides(blocks=blocks)
+
+
+def test_cli_writes_attention_blocks(tmp_path: Path) -> None:
+    out = tmp_path / "b3"
+    cli.main([str(out), "--real-attention", "--attention-blocks", "3", "--config-only"])
+    config = json.loads((out / T.CONFIG_FILE).read_text())
+    assert config == T.tiny_text_config(**T.real_attention_overrides(blocks=3))
+    assert config["linear_attn_config"]["full_attn_layers"] == [4, 8, 12]
+
+
 # -- the engine configuration at TP 1, 2 and 8 --------------------------------
 
 

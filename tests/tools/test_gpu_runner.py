@@ -129,7 +129,14 @@ def test_the_cute_dsl_suites_find_its_cutlass_before_vllms():
     assert "bench_packed_gemm.py" in suite.command
     assert "--json $LOGS/packed_gemm.json" in suite.command
     dsl = run.SITE_CUTE / "nvidia_cutlass_dsl" / "dsl_packages"
-    for name in ("packed-gemm", "dcp1gpu", "dcp1gpu-prefill"):
+    cute_suites = (
+        "packed-gemm",
+        "dcp1gpu",
+        "dcp1gpu-prefill",
+        "low-latency-gemm",
+        "e2e-bench-blocks",
+    )
+    for name in cute_suites:
         path = run.SUITES[name].env["PYTHONPATH"].split(":")
         assert path == [str(dsl), str(run.SITE), str(run.SITE_CUTE)], name
     assert suite.env["VLLM_KIMI_K3_GEMM_AR"] == "0"

@@ -147,6 +147,25 @@ SUITES: dict[str, Suite] = {
         "the packed DSA GEMMs: cuBLAS against the CuTe skinny GEMM's heuristic "
         "and candidate configs (alone on the GPU; needs the CuTe DSL)",
     ),
+    "e2e-bench-blocks": Suite(
+        "python3 benchmarks/e2e/bench_e2e_dsa.py "
+        "--out $LOGS --modes fused dense --starts 1 --iters 1 "
+        "--input-lens 32768 131072 --batch-sizes 1 4 16 "
+        "--max-prefill-tokens 600000 --attention-blocks 4 --kv-cache-gib 24",
+        CUTE_ENV,
+        900,
+        "DSA fused against dense MLA end to end on the checkpoint with four "
+        "attention layers of 16 (the real model's share), the CuTe DSL "
+        "staged as on a real install (the packed GEMMs' skinny path)",
+    ),
+    "low-latency-gemm": Suite(
+        "python3 -m pytest -m gpu -v -p no:cacheprovider "
+        "tests/kernels/test_low_latency_linear_gpu.py >$LOGS/pytest.log 2>&1",
+        CUTE_ENV,
+        600,
+        "the packed DSA GEMMs on the CuTe skinny GEMM (measured configs) and "
+        "cuBLAS against fp32 (needs the CuTe DSL)",
+    ),
     "layer-profile": Suite(
         "python3 benchmarks/layer/bench_dsa_layer.py --layers fused wrapper "
         "dense-bf16 dense-fp8 --tp-heads 12 --decode-batches 1 8 64 "
