@@ -12,7 +12,9 @@ MLA). Each row is ``batch`` random-token prompts of ``input_len`` tokens and
 engine serves every row: an engine start costs 30-200 s, and a GPU sitting
 holds a machine for 30 minutes. Spread comes from ``--starts`` engine starts
 per mode, run interleaved (start 1 of every mode, then start 2, ...), and
-``--iters`` repeats of each row inside a start.
+``--iters`` repeats of each row inside a start, interleaved too (a warm-up
+pass over every row, then each repeat over every row in turn); the spread is
+over the repeats.
 
 Times are vLLM's own stats (``disable_log_stats=False``), engine-core
 timestamps. TTFT is each request's ``first_token_latency`` (for a batch, the
@@ -95,6 +97,12 @@ def engine_order(modes: list[str], starts: int) -> list[tuple[int, str]]:
     return order
 
 
+def schedule(rows: list[Row], iters: int) -> list[tuple[int, Row]]:
+    """``(iteration, row)`` in run order: iteration -1 (the warm-up) of every
+    row, then each repeat over every row in turn."""
+    return [(it, row) for it in range(-1, iters) for row in rows]
+
+
 def request_times(metrics: Any, output_len: int) -> dict[str, float]:
     """TTFT and TPOT of one finished request from vLLM's ``RequestStateStats``."""
     if metrics is None:
@@ -155,17 +163,16 @@ def attach_step_log(llm: Any) -> StepLog:
 
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (input, batch, mode): medians over every repeat and start, the spread
-    of the per-start decode rates, and the ratios to dense."""
+    of the decode rates of the repeats (each start's each iteration), and the
+    ratios to dense."""
     groups: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault((r["input_len"], r["batch"], r["mode"]), []).append(r)
     out = []
     for (input_len, batch, mode), recs in sorted(groups.items()):
-        per_start: dict[int, list[float]] = {}
-        for r in recs:
-            per_start.setdefault(r["start"], []).extend(r["decode_itl_s"])
-        step_starts = [v for v in per_start.values() if v]
-        steps = [t for v in step_starts for t in v]
+        starts = {r["start"] for r in recs}
+        step_repeats = [r["decode_itl_s"] for r in recs if r["decode_itl_s"]]
+        steps = [t for v in step_repeats for t in v]
         summary = {
             "input_len": input_len,
             "batch": batch,
@@ -173,10 +180,11 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "ttft_ms": 1e3 * statistics.median(t for r in recs for t in r["ttft_s"]),
             "tpot_ms": 1e3 * statistics.median(t for r in recs for t in r["tpot_s"]),
             "decode_steps": len(steps),
-            "starts": len(per_start),
+            "starts": len(starts),
+            "repeats": len(recs),
         }
         if steps:
-            rates = [batch / statistics.median(v) for v in step_starts]
+            rates = [batch / statistics.median(v) for v in step_repeats]
             summary |= {
                 "step_ms": 1e3 * statistics.median(steps),
                 "decode_tok_s": batch / statistics.median(steps),
@@ -269,37 +277,38 @@ def run_engine(args: argparse.Namespace) -> int:
     )
     rng = np.random.default_rng(1000 + args.start)
     with open(args.records, "a") as f:
-        for row in rows:
-            for it in range(-1, args.iters):
-                ids = rng.integers(vocab, size=(row.batch, row.input_len)).tolist()
-                prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
-                step_log.steps.clear()
-                t0 = time.perf_counter()
-                outputs = llm.generate(prompts, params, use_tqdm=False)
-                wall = time.perf_counter() - t0
-                if it < 0:
-                    continue
-                times = [request_times(o.metrics, args.output_len) for o in outputs]
-                record = {
-                    "mode": args.mode,
-                    "attention_layers": attention_layers,
-                    "start": args.start,
-                    "iter": it,
-                    **asdict(row),
-                    "output_len": args.output_len,
-                    "wall_s": wall,
-                    "ttft_s": [t["ttft_s"] for t in times],
-                    "tpot_s": [t["tpot_s"] for t in times],
-                    "decode_itl_s": step_log.pure_decode_itls(row.batch),
-                }
-                f.write(json.dumps(record) + "\n")
-                f.flush()
-                print(
-                    f"[{args.mode} start {args.start}] {row.input_len}x{row.batch} "
-                    f"iter {it}: wall {wall:.2f} s, "
-                    f"{len(record['decode_itl_s'])} pure-decode ITLs",
-                    flush=True,
-                )
+        # Every row once to warm up, then the repeats interleaved (each pass
+        # over every row), so drift within a start spreads over all rows.
+        for it, row in schedule(rows, args.iters):
+            ids = rng.integers(vocab, size=(row.batch, row.input_len)).tolist()
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
+            step_log.steps.clear()
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            if it < 0:
+                continue
+            times = [request_times(o.metrics, args.output_len) for o in outputs]
+            record = {
+                "mode": args.mode,
+                "attention_layers": attention_layers,
+                "start": args.start,
+                "iter": it,
+                **asdict(row),
+                "output_len": args.output_len,
+                "wall_s": wall,
+                "ttft_s": [t["ttft_s"] for t in times],
+                "tpot_s": [t["tpot_s"] for t in times],
+                "decode_itl_s": step_log.pure_decode_itls(row.batch),
+            }
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            print(
+                f"[{args.mode} start {args.start}] {row.input_len}x{row.batch} "
+                f"iter {it}: wall {wall:.2f} s, "
+                f"{len(record['decode_itl_s'])} pure-decode ITLs",
+                flush=True,
+            )
     return 0
 
 

@@ -89,7 +89,11 @@ def test_summary_medians_spread_and_ratios() -> None:
     assert (dense["decode_tok_s_min"], dense["decode_tok_s_max"]) == pytest.approx(
         (4 / 0.006, 4 / 0.004)
     )
-    assert (fused["starts"], fused["decode_steps"]) == (2, 24)
+    assert (fused["starts"], fused["repeats"], fused["decode_steps"]) == (2, 3, 24)
+    # The spread is over repeats: start 1's two repeats count apart.
+    assert (fused["decode_tok_s_min"], fused["decode_tok_s_max"]) == pytest.approx(
+        (4 / 0.003, 4 / 0.002)
+    )
     assert fused["decode_x_dense"] == pytest.approx((4 / 0.002) / (4 / 0.005))
     assert fused["ttft_x_dense"] == pytest.approx(300 / 200)
     assert "decode_x_dense" not in dense
@@ -141,6 +145,19 @@ def test_step_log_wraps_the_engines_stat_logger_manager() -> None:
     llm.llm_engine.logger_manager = None
     with pytest.raises(RuntimeError, match="disable_log_stats=False"):
         E.attach_step_log(llm)
+
+
+def test_repeats_are_interleaved_after_one_warm_up_pass() -> None:
+    rows = [E.Row(8192, 1), E.Row(32768, 16)]
+    order = [(it, (r.input_len, r.batch)) for it, r in E.schedule(rows, 2)]
+    assert order == [
+        (-1, (8192, 1)),
+        (-1, (32768, 16)),
+        (0, (8192, 1)),
+        (0, (32768, 16)),
+        (1, (8192, 1)),
+        (1, (32768, 16)),
+    ]
 
 
 def test_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The host-profile driver's command line (its run needs a GPU)."""
+"""The host/GPU step profiler's arithmetic and command line (its run needs
+a GPU and vLLM's engine)."""
 
 from __future__ import annotations
 
@@ -31,5 +32,48 @@ def test_help_names_the_row_options(capsys: pytest.CaptureFixture[str]) -> None:
         load().main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--input-len", "--batch", "--output-len", "--wrapper"):
+    for option in ("--rows", "--decode-steps", "--output-len", "--wrapper"):
         assert option in out
+
+
+def test_busy_time_counts_overlaps_once() -> None:
+    busy_us = load().busy_us
+    assert busy_us([]) == 0.0
+    assert busy_us([(0.0, 2.0)]) == 2.0
+    # Overlapping (side stream), nested, touching and disjoint, unsorted.
+    assert busy_us([(5.0, 9.0), (0.0, 2.0), (1.0, 3.0), (6.0, 7.0), (9.0, 10.0)]) == 8.0
+    assert busy_us([(0.0, 1.0), (2.0, 3.0)]) == 2.0
+
+
+def test_kernel_table_is_per_step_and_sorted() -> None:
+    kernels = [("a", 0.0, 10.0), ("b", 10.0, 40.0), ("a", 50.0, 60.0)]
+    lines = load().kernel_table(kernels, steps=2, top=5).splitlines()
+    assert lines[1].split() == ["15.0", "b"]
+    assert lines[2].split() == ["10.0", "a"]
+    assert len(load().kernel_table(kernels, steps=2, top=1).splitlines()) == 2
+
+
+def test_output_len_covers_the_window(capsys: pytest.CaptureFixture[str]) -> None:
+    module = load()
+    args = module.parse_args(["--model", "m", "--out", "o", "--decode-steps", "200"])
+    assert args.output_len >= 200 + module.SETTLE_STEPS
+    whole = module.parse_args(["--model", "m", "--out", "o", "--decode-steps", "0"])
+    assert whole.output_len == 128
+    with pytest.raises(SystemExit):
+        module.parse_args(["--model", "m", "--out", "o", "--output-len", "16"])
+    assert "--output-len must be at least" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        module.parse_args(["--model", "m", "--out", "o", "--decode-steps", "-1"])
+    assert "--decode-steps must be 0 or more" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("row", ["131072", "131072x", "0x4", "axb", "1x2x3"])
+def test_bad_rows_are_refused(capsys: pytest.CaptureFixture[str], row: str) -> None:
+    with pytest.raises(SystemExit):
+        load().parse_args(["--model", "m", "--out", "o", "--rows", row])
+    assert "--rows takes INPUTxBATCH entries" in capsys.readouterr().err
+
+
+def test_rows_parse() -> None:
+    args = load().parse_args(["--model", "m", "--out", "o", "--rows", "8x1", "32x4"])
+    assert args.rows == [(8, 1), (32, 4)]

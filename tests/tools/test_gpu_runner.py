@@ -135,6 +135,8 @@ def test_the_cute_dsl_suites_find_its_cutlass_before_vllms():
         "dcp1gpu-prefill",
         "low-latency-gemm",
         "e2e-bench-blocks",
+        "e2e-bench-grid",
+        "e2e-profile-decode",
     )
     for name in cute_suites:
         path = run.SUITES[name].env["PYTHONPATH"].split(":")

@@ -158,6 +158,34 @@ SUITES: dict[str, Suite] = {
         "attention layers of 16 (the real model's share), the CuTe DSL "
         "staged as on a real install (the packed GEMMs' skinny path)",
     ),
+    "e2e-bench-grid": Suite(
+        "python3 benchmarks/e2e/bench_e2e_dsa.py --out $LOGS --starts 1 --iters 3",
+        CUTE_ENV,
+        1500,
+        "issue 24's end-to-end grid: fused, wrapper and dense MLA at 8K/32K/128K "
+        "x batch 1/16/64 (128K x 64 left out), three repeats interleaved over "
+        "the rows, the CuTe DSL staged",
+    ),
+    "e2e-profile-decode": Suite(
+        "C=kimi_k3_dsa_tools.tiny_checkpoint_cli; "
+        "python3 -m $C $LOGS/ckpt-dsa-b4 --real-attention --attention-blocks 4 && "
+        "python3 -m $C $LOGS/ckpt-dense-b4 --real-attention --attention-blocks 4 "
+        "--no-dsa && for m in dense dsa; do python3 "
+        "benchmarks/e2e/profile_e2e_step.py --model $LOGS/ckpt-$m-b4 "
+        "--out $LOGS/$m.txt --rows 32768x16 131072x1 131072x4 || exit 1; done",
+        CUTE_ENV,
+        900,
+        "decode steps alone, host (cProfile) against GPU busy time "
+        "(torch.profiler), dense and DSA on the four-attention-layer checkpoint",
+    ),
+    "layer-grid": Suite(
+        "python3 benchmarks/layer/bench_dsa_layer.py --layers fused wrapper v32 "
+        "dense-bf16 dense-fp8 --tp-heads 96 12 --reps 30 --json $LOGS/layer.json",
+        VLLM_ENV,
+        900,
+        "issue 24's whole layer grid: decode batch 1/8/64/256 x 4K/32K/128K and "
+        "prefill chunks 1K/4K/8K, 96 and 12 heads, DSA against V3.2 and dense MLA",
+    ),
     "low-latency-gemm": Suite(
         "python3 -m pytest -m gpu -v -p no:cacheprovider "
         "tests/kernels/test_low_latency_linear_gpu.py >$LOGS/pytest.log 2>&1",
