@@ -10,7 +10,7 @@ Per packed ``(N, K)`` of ``kimi_k31_packed_shapes()`` and token count ``M``
 
 - ``cublas``: ``F.linear`` in bf16, what the module falls back to;
 - ``heuristic``: the skinny GEMM with ``ShapeDynamicSkinnyGemm._config``,
-  what the module runs today;
+  what it runs without a config (the module's plan on devices not measured);
 - ``candidate``: other ``SkinnyGemmConfig`` values valid for the shape.
 
 Candidates. The kernel's constraints: ``num_rows == M``, ``block_size`` a
@@ -47,15 +47,10 @@ overlap the previous call's tail; cuBLAS calls do not.
 
 Suggested overrides: per ``(N, K, M)`` the fastest checked skinny config if
 it beats cuBLAS by ``--min-gain`` (5 %, vLLM's threshold for its tables),
-else cuBLAS. ``dsa_low_latency.py`` cannot say "cuBLAS for this M" today:
-``_packed_plan`` treats a missing or ``None`` override as "use the heuristic",
-and every M in 1..16 with a valid heuristic config runs the skinny GEMM. What
-the module needs for the measured table: an explicit cuBLAS entry (e.g. a
-``None`` value, tested with ``num_tokens in overrides``, that leaves the M
-out of the plan so ``low_latency_linear`` falls through to ``F.linear``), and
-overrides keyed by device capability, since winners differ between parts
-(vLLM keeps ``KIMI_K3_PROJECTIONS{,_SM100,_SM90}`` apart for that reason).
-The printed block uses ``None`` for cuBLAS in that sense.
+else cuBLAS, in the form of ``PACKED_SHAPE_CONFIG_OVERRIDES``'s table for
+the device's capability major (``None`` runs cuBLAS for that M; winners
+differ between parts, as vLLM keeps ``KIMI_K3_PROJECTIONS{,_SM100,_SM90}``
+apart). The printed block uses ``None`` for cuBLAS in that sense.
 
     python benchmarks/kernels/bench_packed_gemm.py --dry-run
     python benchmarks/kernels/bench_packed_gemm.py --json packed_gemm.json
@@ -148,7 +143,8 @@ def skinny_valid(config: SkinnyGemmConfig, m: int, n: int, k: int) -> bool:
 
 
 def heuristic_config(m: int, n: int, k: int) -> SkinnyGemmConfig:
-    """What the skinny GEMM runs without a config (and the module today)."""
+    """What the skinny GEMM runs without a config (and the module where its
+    device has no measured table)."""
     return ShapeDynamicSkinnyGemm._config(m, n, k)
 
 
@@ -307,7 +303,7 @@ def build_plan(
     max_candidates: int,
     seeds: dict[int, list[SkinnyGemmConfig]],
 ) -> list[Work]:
-    """cuBLAS and the heuristic configs at every M first (what runs today),
+    """cuBLAS and the heuristic configs at every M first (the unmeasured plan),
     then the candidates, smallest M first; each config once, on every shape
     it is valid for."""
     baseline: list[Work] = []
