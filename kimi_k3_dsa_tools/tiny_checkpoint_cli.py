@@ -50,6 +50,10 @@ from kimi_k3_dsa_tools.tiny_checkpoint import (
 )
 
 PROG = "kimi-k3-dsa-tiny-checkpoint"
+# The tiny vocabulary holds the multimodal placeholder id (1023); the top
+# keeps the embedding and the LM head small.
+MIN_VOCAB = 1024
+MAX_VOCAB = 131072
 _STAGING_INFIX = ".tiny-checkpoint-"
 
 
@@ -250,6 +254,14 @@ def _parser() -> argparse.ArgumentParser:
         help="with --real-attention: repeat its layer block (three KDA layers, "
         f"one attention layer) N times, 1 to {MAX_ATTENTION_BLOCKS} (1)",
     )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"vocabulary size, {MIN_VOCAB} to {MAX_VOCAB} ({MIN_VOCAB}); "
+        "vllm bench latency draws prompt ids below 10000",
+    )
     parser.add_argument("--seed", type=int, default=None, help="random seed (0)")
     parser.add_argument(
         "--force",
@@ -276,6 +288,12 @@ def main(argv: list[str] | None = None) -> None:
                 f"give 1 to {MAX_ATTENTION_BLOCKS}",
                 2,
             )
+    if args.vocab_size is not None and not MIN_VOCAB <= args.vocab_size <= MAX_VOCAB:
+        _exit(
+            f"--vocab-size {args.vocab_size} is out of range; "
+            f"give {MIN_VOCAB} to {MAX_VOCAB}",
+            2,
+        )
     seed = 0 if args.seed is None else args.seed
     if not 0 <= seed < 2**64:
         _exit(f"--seed {seed} is out of range; give 0 to 2**64 - 1", 2)
@@ -288,7 +306,9 @@ def main(argv: list[str] | None = None) -> None:
 
     dsa = not args.no_dsa
     blocks = 1 if args.attention_blocks is None else args.attention_blocks
-    overrides = real_attention_overrides(dsa, blocks) if args.real_attention else None
+    overrides = real_attention_overrides(dsa, blocks) if args.real_attention else {}
+    if args.vocab_size is not None:
+        overrides["vocab_size"] = args.vocab_size
     try:
         aside = _write_checkpoint_dir(
             target,

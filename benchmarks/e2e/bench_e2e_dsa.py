@@ -60,6 +60,10 @@ FORCE_WRAPPER_ENV = "VLLM_KIMI_K3_DSA_FORCE_WRAPPER"
 TINY_CHECKPOINT_COMMAND = "kimi-k3-dsa-tiny-checkpoint"
 TINY_CHECKPOINT_MODULE = "kimi_k3_dsa_tools.tiny_checkpoint_cli"
 MAX_NUM_SEQS = 256
+# vllm bench latency draws prompt ids below 10000: the checkpoints' vocabulary
+# holds them, so that its own loop (--vllm-bench-latency) runs them too.
+VOCAB_SIZE = 10240
+LATENCY_WARMUP_ITERS = 1
 
 
 @dataclass(frozen=True)
@@ -316,11 +320,16 @@ def run_engine(args: argparse.Namespace) -> int:
 
 
 def write_checkpoints(
-    out: Path, seed: int, config_only: bool = False, blocks: int = 1
+    out: Path,
+    seed: int,
+    config_only: bool = False,
+    blocks: int = 1,
+    vocab_size: int = VOCAB_SIZE,
 ) -> dict[str, Path]:
     """The DSA and the dense real-attention checkpoints (same seed, ``blocks``
     repeats of the three-KDA, one-attention layer block), once."""
     suffix = "" if blocks == 1 else f"-b{blocks}"
+    suffix += f"-v{vocab_size}"
     paths = {"dsa": out / f"ckpt-dsa{suffix}", "dense": out / f"ckpt-dense{suffix}"}
     # The console script, or its module where pip put no script on PATH (an
     # install with --target, as on the GPU test host).
@@ -331,7 +340,7 @@ def write_checkpoints(
             continue
         extra = ["--no-dsa"] if kind == "dense" else []
         extra += ["--config-only"] if config_only else ["--seed", str(seed)]
-        extra += ["--attention-blocks", str(blocks)]
+        extra += ["--attention-blocks", str(blocks), "--vocab-size", str(vocab_size)]
         subprocess.run([*command, str(path), "--real-attention", *extra], check=True)
     return paths
 
@@ -375,6 +384,11 @@ def drive(args: argparse.Namespace) -> int:
     args.planned_rows = rows
     order = engine_order(args.modes, args.starts)
     print(f"engines: {len(order)} ({', '.join(f'{m}#{s}' for s, m in order)})")
+    if args.vllm_bench_latency:
+        print(
+            f"vllm bench latency: {len(order) * len(rows)} runs, one engine each "
+            f"({1 + args.iters} batches a run: {LATENCY_WARMUP_ITERS} warm-up)"
+        )
     print(f"rows: {', '.join(f'{r.input_len}x{r.batch}' for r in rows)}")
     if skipped:
         print(
@@ -392,7 +406,11 @@ def drive(args: argparse.Namespace) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ckpts = write_checkpoints(out, args.seed, blocks=args.attention_blocks)
+    ckpts = write_checkpoints(
+        out, args.seed, blocks=args.attention_blocks, vocab_size=args.vocab_size
+    )
+    if args.vllm_bench_latency:
+        return drive_vllm_bench_latency(args, out, ckpts, order)
     records = out / "records.jsonl"
     status = 0
     for start, mode in order:
@@ -412,6 +430,90 @@ def drive(args: argparse.Namespace) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         print_summary(summary)
     return status
+
+
+def vllm_bench_latency_command(
+    args: argparse.Namespace, model: Path, row: Row, start: int, out_json: Path
+) -> list[str]:
+    """``vllm bench latency`` for one row, with the engine arguments of
+    :func:`engine_kwargs` (the driver's own loop) as its command line."""
+    max_len = max(r.input_len for r in args.planned_rows) + args.output_len
+    per_start = argparse.Namespace(**{**vars(args), "start": start})
+    kwargs = engine_kwargs(str(model), max_len, per_start)
+    return [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "latency",
+        "--model", kwargs["model"],
+        "--skip-tokenizer-init",
+        "--disable-detokenize",
+        "--no-enable-prefix-caching",
+        "--max-model-len", str(kwargs["max_model_len"]),
+        "--hf-overrides", json.dumps(kwargs["hf_overrides"]),
+        "--kv-cache-memory-bytes", str(kwargs["kv_cache_memory_bytes"]),
+        "--max-num-seqs", str(kwargs["max_num_seqs"]),
+        "--max-num-batched-tokens", str(kwargs["max_num_batched_tokens"]),
+        "--seed", str(kwargs["seed"]),
+        "--input-len", str(row.input_len),
+        "--output-len", str(args.output_len),
+        "--batch-size", str(row.batch),
+        "--num-iters-warmup", str(LATENCY_WARMUP_ITERS),
+        "--num-iters", str(args.iters),
+        "--output-json", str(out_json),
+    ]  # fmt: skip
+
+
+def drive_vllm_bench_latency(
+    args: argparse.Namespace,
+    out: Path,
+    ckpts: dict[str, Path],
+    order: list[tuple[int, str]],
+) -> int:
+    """vLLM's own ``vllm bench latency`` per engine start, mode and row (one
+    engine each): the batch's whole latency, prefill and decode together; a
+    cross-check of the driver's loop on the same checkpoints and arguments."""
+    status = 0
+    results = []
+    for start, mode in order:
+        model = ckpts["dense" if mode == "dense" else "dsa"]
+        for row in args.planned_rows:
+            name = f"latency_{mode}_{start}_{row.input_len}x{row.batch}"
+            command = vllm_bench_latency_command(
+                args, model, row, start, out / f"{name}.json"
+            )
+            with open(out / f"{name}.log", "w") as log:
+                proc = subprocess.run(
+                    command, env=mode_env(mode), stdout=log, stderr=subprocess.STDOUT
+                )
+            print(f"{name}: rc={proc.returncode}", flush=True)
+            status = status or proc.returncode
+            if proc.returncode == 0:
+                result = json.loads((out / f"{name}.json").read_text())
+                results.append({"mode": mode, "start": start, **asdict(row)} | result)
+    (out / "latency_summary.json").write_text(json.dumps(results, indent=1))
+    print_latency_summary(results)
+    return status
+
+
+def print_latency_summary(results: list[dict[str, Any]]) -> None:
+    """Median latency per row and mode over every start's iterations, with
+    the spread and the ratio to dense."""
+    groups: dict[tuple[int, int, str], list[float]] = {}
+    for r in results:
+        key = (r["input_len"], r["batch"], r["mode"])
+        groups.setdefault(key, []).extend(r["latencies"])
+    dense = {
+        (i, b): statistics.median(v) for (i, b, m), v in groups.items() if m == "dense"
+    }
+    print(f"{'input':>7} {'B':>3} {'mode':>8} {'latency s':>10} {'(min-max)':>15} "
+          f"{'x dense':>8}")  # fmt: skip
+    for (input_len, batch, mode), values in sorted(groups.items()):
+        median = statistics.median(values)
+        ref = dense.get((input_len, batch))
+        ratio = "" if ref is None or mode == "dense" else f"{ref / median:.2f}"
+        spread = f"{min(values):.3f}-{max(values):.3f}"
+        print(
+            f"{input_len:>7} {batch:>3} {mode:>8} {median:>10.3f} {spread:>15} "
+            f"{ratio:>8}"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -462,6 +564,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2_200_000,
         help="leave out rows whose batch prefills more tokens than this",
     )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=VOCAB_SIZE,
+        help="the checkpoints' vocabulary; vllm bench latency needs 10000 or more",
+    )
+    p.add_argument(
+        "--vllm-bench-latency",
+        action="store_true",
+        help="run vLLM's own `vllm bench latency` per engine start, mode and row "
+        "(one engine each; --iters its iterations after one warm-up) instead of "
+        "the driver's loop",
+    )
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     for name in (
@@ -474,6 +589,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.command != "engine" and args.vllm_bench_latency and args.vocab_size < 10000:
+        p.error(
+            f"--vllm-bench-latency draws prompt ids below 10000: give --vocab-size "
+            f"10000 or more, not {args.vocab_size}"
+        )
     return args
 
 

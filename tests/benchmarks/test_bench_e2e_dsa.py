@@ -209,3 +209,83 @@ def test_engine_arguments_pass_vllms_configuration(
         assert text.linear_attn_config["full_attn_layers"] == [
             4 * (b + 1) for b in range(blocks)
         ]
+
+
+def test_vllm_bench_latency_gets_the_drivers_engine(
+    tmp_path: Path, engine_config
+) -> None:
+    """The ``vllm bench latency`` command line, parsed by vLLM's own bench
+    latency parser, gives the engine arguments the driver's loop uses, and
+    they pass vLLM's configuration path; its rows and iterations are ours."""
+    from vllm.benchmarks.latency import add_cli_args
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = E.parse_args(["--vllm-bench-latency", "--iters", "3"])
+    args.planned_rows, _ = E.plan_rows(args.input_lens, args.batch_sizes, 2_200_000)
+    ckpts = E.write_checkpoints(tmp_path, seed=0, config_only=True)
+    assert all(path.name.endswith("-v10240") for path in ckpts.values())
+    row = E.Row(131072, 16)
+    command = E.vllm_bench_latency_command(
+        args, ckpts["dsa"], row, start=2, out_json=tmp_path / "l.json"
+    )
+    assert command[1:5] == ["-m", "vllm.entrypoints.cli.main", "bench", "latency"]
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    parsed = parser.parse_args(command[5:])
+    assert (parsed.input_len, parsed.batch_size) == (131072, 16)
+    assert (parsed.output_len, parsed.num_iters) == (args.output_len, 3)
+    assert parsed.num_iters_warmup == E.LATENCY_WARMUP_ITERS
+    assert parsed.disable_detokenize and parsed.output_json == str(tmp_path / "l.json")
+    engine_args = EngineArgs.from_cli_args(parsed)
+    max_len = 131072 + args.output_len
+    args.start = 2
+    expected = E.engine_kwargs(str(ckpts["dsa"]), max_len, args)
+    for key, value in expected.items():
+        if key == "disable_log_stats":  # the driver's loop reads vLLM's stats
+            continue
+        assert getattr(engine_args, key) == value, key
+    cfg = engine_config(
+        ckpts["dsa"], **{k: v for k, v in expected.items() if k != "model"}
+    )
+    assert cfg.model_config.hf_text_config.vocab_size == 10240
+    assert cfg.model_config.max_model_len == max_len
+
+
+def test_vllm_bench_latency_needs_its_prompt_ids_in_the_vocabulary(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        E.parse_args(["--vllm-bench-latency", "--vocab-size", "4096"])
+    assert "give --vocab-size 10000 or more, not 4096" in capsys.readouterr().err
+
+
+def test_latency_summary_medians_and_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    row = {"input_len": 8, "batch": 1}
+    results = [
+        {"mode": "dense", "start": 0, **row, "latencies": [2.0, 4.0]},
+        {"mode": "fused", "start": 0, **row, "latencies": [1.0]},
+        {"mode": "fused", "start": 1, **row, "latencies": [2.0, 3.0]},
+    ]
+    E.print_latency_summary(results)
+    lines = capsys.readouterr().out.splitlines()
+    dense = next(line for line in lines if " dense " in line).split()
+    fused = next(line for line in lines if " fused " in line).split()
+    assert dense[3] == "3.000" and dense[4] == "2.000-4.000"
+    assert fused[3] == "2.000" and fused[4] == "1.000-3.000" and fused[5] == "1.50"
+
+
+def test_dry_run_counts_the_vllm_bench_latency_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [
+        "--dry-run",
+        "--vllm-bench-latency",
+        "--modes",
+        "fused",
+        "dense",
+        "--starts",
+        "1",
+    ]
+    assert E.main([*argv, "--input-lens", "8192", "32768", "--batch-sizes", "1"]) == 0
+    assert "vllm bench latency: 4 runs, one engine each" in capsys.readouterr().out

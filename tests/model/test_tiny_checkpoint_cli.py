@@ -182,6 +182,20 @@ BAD = [
     ),
     ("negative-seed", _nothing, ["new", "--seed", "-1"], 2, ["--seed -1 is out"]),
     (
+        "small-vocab",
+        _nothing,
+        ["new", "--vocab-size", "1000"],
+        2,
+        ["--vocab-size 1000 is out of range", "give 1024 to 131072"],
+    ),
+    (
+        "large-vocab",
+        _nothing,
+        ["new", "--vocab-size", "131073"],
+        2,
+        ["--vocab-size 131073 is out of range", "give 1024 to 131072"],
+    ),
+    (
         "blocks-without-real-attention",
         _nothing,
         ["new", "--attention-blocks", "4"],

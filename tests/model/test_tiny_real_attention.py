@@ -225,6 +225,22 @@ def test_cli_writes_attention_blocks(tmp_path: Path) -> None:
     assert config["linear_attn_config"]["full_attn_layers"] == [4, 8, 12]
 
 
+def test_cli_vocab_size_reaches_config_and_weights(tmp_path: Path) -> None:
+    """vllm bench latency draws prompt ids below 10000: --vocab-size 10240
+    gives an embedding and LM head that take them; nothing else changes."""
+    from safetensors import safe_open
+
+    out = tmp_path / "v"
+    cli.main([str(out), "--real-attention", "--vocab-size", "10240", "--seed", "1"])
+    config = json.loads((out / T.CONFIG_FILE).read_text())
+    assert config == T.tiny_text_config(
+        **T.real_attention_overrides(), vocab_size=10240
+    )
+    with safe_open(str(out / T.CHECKPOINT_FILE), framework="pt") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_shape()[0] == 10240
+        assert f.get_slice("lm_head.weight").get_shape()[0] == 10240
+
+
 # -- the engine configuration at TP 1, 2 and 8 --------------------------------
 
 

@@ -137,6 +137,7 @@ def test_the_cute_dsl_suites_find_its_cutlass_before_vllms():
         "e2e-bench-blocks",
         "e2e-bench-grid",
         "e2e-profile-decode",
+        "vllm-bench-latency",
     )
     for name in cute_suites:
         path = run.SUITES[name].env["PYTHONPATH"].split(":")

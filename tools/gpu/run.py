@@ -166,6 +166,15 @@ SUITES: dict[str, Suite] = {
         "x batch 1/16/64 (128K x 64 left out), three repeats interleaved over "
         "the rows, the CuTe DSL staged",
     ),
+    "vllm-bench-latency": Suite(
+        "python3 benchmarks/e2e/bench_e2e_dsa.py --out $LOGS --vllm-bench-latency "
+        "--modes fused dense --starts 1 --iters 3 --input-lens 32768 131072 "
+        "--batch-sizes 1",
+        CUTE_ENV,
+        900,
+        "vLLM's own `vllm bench latency`, fused and dense, on the driver's "
+        "checkpoints and engine arguments (a cross-check of e2e-bench-grid)",
+    ),
     "e2e-profile-decode": Suite(
         "C=kimi_k3_dsa_tools.tiny_checkpoint_cli; "
         "python3 -m $C $LOGS/ckpt-dsa-b4 --real-attention --attention-blocks 4 && "
