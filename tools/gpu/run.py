@@ -189,11 +189,13 @@ SUITES: dict[str, Suite] = {
     ),
     "layer-grid": Suite(
         "python3 benchmarks/layer/bench_dsa_layer.py --layers fused wrapper v32 "
-        "dense-bf16 dense-fp8 --tp-heads 96 12 --reps 30 --json $LOGS/layer.json",
+        "dense-bf16 dense-fp8 --tp-heads 96 12 --reps 30 --profile "
+        "--json $LOGS/layer.json",
         VLLM_ENV,
         900,
         "issue 24's whole layer grid: decode batch 1/8/64/256 x 4K/32K/128K and "
-        "prefill chunks 1K/4K/8K, 96 and 12 heads, DSA against V3.2 and dense MLA",
+        "prefill chunks 1K/4K/8K, 96 and 12 heads, DSA against V3.2 and dense MLA; "
+        "every decode point's per-stage kernel times and host metadata build",
     ),
     "low-latency-gemm": Suite(
         "python3 -m pytest -m gpu -v -p no:cacheprovider "
