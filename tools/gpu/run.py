@@ -197,6 +197,15 @@ SUITES: dict[str, Suite] = {
         "prefill chunks 1K/4K/8K, 96 and 12 heads, DSA against V3.2 and dense MLA; "
         "every decode point's per-stage kernel times and host metadata build",
     ),
+    "layer-grid-flashmla": Suite(
+        "python3 benchmarks/layer/bench_dsa_layer.py --layers dense-bf16 "
+        "--dense-backend FLASHMLA --tp-heads 96 12 --prefill-chunks --reps 30 "
+        "--json $LOGS/layer.json",
+        VLLM_ENV,
+        600,
+        "dense MLA with a bf16 cache on FlashMLA (the backend issue 24 names; "
+        "vLLM picks FlashAttention's MLA by default), the decode grid",
+    ),
     "low-latency-gemm": Suite(
         "python3 -m pytest -m gpu -v -p no:cacheprovider "
         "tests/kernels/test_low_latency_linear_gpu.py >$LOGS/pytest.log 2>&1",
