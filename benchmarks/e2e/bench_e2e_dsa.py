@@ -196,6 +196,13 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "decode_tok_s_max": max(rates),
             }
         out.append(summary)
+    wrapper = {(s["input_len"], s["batch"]): s for s in out if s["mode"] == "wrapper"}
+    for s in out:
+        ref = wrapper.get((s["input_len"], s["batch"]))
+        if s["mode"] != "fused" or ref is None:
+            continue
+        if "decode_tok_s" in s and "decode_tok_s" in ref:
+            s["decode_x_wrapper"] = s["decode_tok_s"] / ref["decode_tok_s"]
     dense = {(s["input_len"], s["batch"]): s for s in out if s["mode"] == "dense"}
     for s in out:
         ref = dense.get((s["input_len"], s["batch"]))
@@ -230,6 +237,49 @@ def print_summary(summary: list[dict[str, Any]]) -> None:
             f"{s['input_len']:>7} {s['batch']:>3} {s['mode']:>8} {s['ttft_ms']:>9.1f} "
             f"{step:>8} {s['decode_steps']:>6} {rate:>13} {spread:>13} {x:>8} {t:>10}"
         )
+
+
+def markdown_summary(summary: list[dict[str, Any]]) -> str:
+    """The summary as a Markdown table, for docs/benchmarks.md."""
+    lines = [
+        "| input x B | mode | TTFT ms | step ms | decode tok/s (min-max) "
+        "| decode x dense | TTFT x dense | fused x wrapper |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in summary:
+        if "decode_tok_s" in s:
+            step = f"{s['step_ms']:.2f}"
+            rate = (
+                f"{s['decode_tok_s']:.0f} "
+                f"({s['decode_tok_s_min']:.0f}-{s['decode_tok_s_max']:.0f})"
+            )
+        else:
+            step = rate = "-"
+        size = f"{s['input_len'] // 1024}K x {s['batch']}"
+        lines.append(
+            f"| {size} | {s['mode']} | {s['ttft_ms']:.1f} | {step} | {rate} "
+            f"| {_ratio(s.get('decode_x_dense'))} | {_ratio(s.get('ttft_x_dense'))} "
+            f"| {_ratio(s.get('decode_x_wrapper'))} |"
+        )
+    return "\n".join(lines)
+
+
+def summarize_files(args: argparse.Namespace) -> int:
+    """Summarize committed ``records.jsonl`` files (several runs together)."""
+    records = [
+        json.loads(line)
+        for path in args.records
+        for line in Path(path).read_text().splitlines()
+        if line.strip()
+    ]
+    if not records:
+        raise SystemExit(f"no records in {' '.join(args.records)}")
+    summary = summarize(records)
+    if args.markdown:
+        print(markdown_summary(summary))
+    else:
+        print_summary(summary)
+    return 0
 
 
 # -- the engine process -------------------------------------------------------
@@ -529,6 +579,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--kv-cache-gib", type=float, required=True)
     e.add_argument("--max-num-batched-tokens", type=int, required=True)
     e.add_argument("--rows", nargs="+", required=True)
+    m = sub.add_parser("summarize", help="summarize records.jsonl files")
+    m.add_argument("records", nargs="+")
+    m.add_argument("--markdown", action="store_true")
     p.add_argument("--out", default="build/e2e_bench")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--input-lens", type=int, nargs="+", default=[8192, 32768, 131072])
@@ -601,6 +654,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "engine":
         return run_engine(args)
+    if args.command == "summarize":
+        return summarize_files(args)
     return drive(args)
 
 

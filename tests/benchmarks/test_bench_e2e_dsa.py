@@ -289,3 +289,30 @@ def test_dry_run_counts_the_vllm_bench_latency_runs(
     ]
     assert E.main([*argv, "--input-lens", "8192", "32768", "--batch-sizes", "1"]) == 0
     assert "vllm bench latency: 4 runs, one engine each" in capsys.readouterr().out
+
+
+def test_summarize_committed_records_as_markdown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    records = [
+        _record("dense", 0, 0.004, 0.2),
+        _record("fused", 0, 0.002, 0.1),
+        _record("wrapper", 0, 0.003, 0.1),
+    ]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert E.main(["summarize", str(path), "--markdown"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "32K x 4" in line]
+    fused = next(r for r in rows if "| fused |" in r).split("|")
+    # decode x dense 2.00, TTFT x dense 0.50, fused x wrapper 1.50
+    assert [c.strip() for c in fused[-4:-1]] == ["2.00", "0.50", "1.50"]
+    dense = next(r for r in rows if "| dense |" in r).split("|")
+    assert [c.strip() for c in dense[-4:-1]] == ["", "", ""]
+    assert E.main(["summarize", str(path)]) == 0
+    assert "decode tok/s" in capsys.readouterr().out
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match="no records in"):
+        E.main(["summarize", str(empty)])
