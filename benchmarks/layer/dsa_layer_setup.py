@@ -13,9 +13,11 @@ the CPU for small shapes (the CPU test); only timing needs CUDA.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -164,6 +166,20 @@ def write_config(kind: str, heads: int, hidden: int, max_pos: int, out: Path) ->
     return write_tiny_config(out, dsa=dsa, **overrides)
 
 
+_CONFIG_ROOT: Path | None = None
+
+
+def _config_root() -> Path:
+    """One temporary folder per process for the points' ``config.json``
+    files, removed when the process exits (vLLM may read a config again after
+    the engine arguments are made, so not sooner)."""
+    global _CONFIG_ROOT
+    if _CONFIG_ROOT is None:
+        _CONFIG_ROOT = Path(tempfile.mkdtemp(prefix="kimi_k3_layer_bench_"))
+        atexit.register(shutil.rmtree, _CONFIG_ROOT, ignore_errors=True)
+    return _CONFIG_ROOT
+
+
 def make_vllm_config(
     kind: str,
     heads: int,
@@ -185,9 +201,8 @@ def make_vllm_config(
         if kind not in DENSE_LAYERS:
             raise ValueError(f"{kind!r} takes no attention backend of choice")
         extra["attention_backend"] = attention_backend
-    path = write_config(
-        kind, heads, hidden, max_model_len, Path(tempfile.mkdtemp()) / kind
-    )
+    folder = Path(tempfile.mkdtemp(dir=_config_root()))
+    path = write_config(kind, heads, hidden, max_model_len, folder / kind)
     return EngineArgs(
         model=str(path),
         kv_cache_dtype=KV_CACHE_DTYPES[kind],

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import tempfile
 import types
 from pathlib import Path
 
@@ -74,7 +73,7 @@ DECODE_GRID = [
 
 
 @pytest.fixture(scope="module")
-def configs():
+def configs(tmp_path_factory: pytest.TempPathFactory):
     """One real VllmConfig per model, and single-rank gloo groups."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import (
@@ -96,7 +95,8 @@ def configs():
     )
     with set_current_vllm_config(cfgs["fused"]):
         if not model_parallel_is_initialized():
-            init = tempfile.mkstemp(prefix="bench_dsa_gloo_")[1]
+            # In pytest's own temporary folders (gloo's rendezvous file).
+            init = tmp_path_factory.mktemp("gloo") / "init"
             init_distributed_environment(1, 0, f"file://{init}", 0, "gloo")
             ensure_model_parallel_initialized(1, 1)
         if not is_workspace_manager_initialized():
@@ -856,3 +856,30 @@ def test_run_skips_what_vllm_cannot_run(monkeypatch, tmp_path, capsys):
     assert "SKIPPED dense-fp8 heads=12 prefill" in printed.err
     assert "FAILED" not in printed.err
     assert "x d-bf16" in printed.out
+
+
+def test_point_configs_live_in_one_folder_removed_at_exit(tmp_path: Path) -> None:
+    """Every point's config.json goes under one per-process folder, which is
+    gone once the process exits (the runs used to leave a folder a point)."""
+    import subprocess
+
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import dsa_layer_setup as S; "
+        "root = S._config_root(); assert S._config_root() == root; "
+        "(root / 'probe').mkdir(); print(root)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(_ROOT / "benchmarks" / "layer")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    root = Path(done.stdout.strip().splitlines()[-1])
+    assert root.name.startswith("kimi_k3_layer_bench_")
+    assert not root.exists()
+
+
+def test_every_point_config_is_under_the_process_folder(configs) -> None:
+    root = S._config_root()
+    for kind, cfg in configs.items():
+        assert Path(cfg.model_config.model).is_relative_to(root), kind

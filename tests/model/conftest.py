@@ -38,7 +38,6 @@ config dict) rather than a new engine config.
 from __future__ import annotations
 
 import itertools
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -91,7 +90,9 @@ def dsa_vllm_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="session")
-def cpu_distributed(dsa_vllm_config: Any) -> Iterator[None]:
+def cpu_distributed(
+    dsa_vllm_config: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
     """Single-rank distributed groups on gloo plus vLLM's CPU workspace
     manager, once per session."""
     import torch
@@ -109,7 +110,8 @@ def cpu_distributed(dsa_vllm_config: Any) -> Iterator[None]:
 
     with set_current_vllm_config(dsa_vllm_config):
         if not model_parallel_is_initialized():
-            init_file = tempfile.mkstemp(prefix="kimi_k3_dsa_gloo_")[1]
+            # In pytest's own temporary folders (gloo's rendezvous file).
+            init_file = tmp_path_factory.mktemp("gloo") / "init"
             init_distributed_environment(
                 world_size=1,
                 rank=0,
