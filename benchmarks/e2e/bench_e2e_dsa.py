@@ -26,8 +26,8 @@ manager; a row's decode rate is ``batch / step`` tokens/s. Chunked prefill
 overlaps decode otherwise, so ``--max-num-batched-tokens`` (the same for every
 mode) sets how many steps the prefill takes and thus how many pure-decode
 steps remain. ``vllm bench latency`` itself reports only the whole batch's
-wall time, and its prompts (token ids below 10000) do not fit the tiny
-checkpoint's 1024-token vocabulary, so it cannot serve as a cross-check here.
+wall time; ``--vllm-bench-latency`` runs it on the same checkpoints (whose
+vocabulary holds its prompt ids, drawn below 10000) as a cross-check.
 
     python benchmarks/e2e/bench_e2e_dsa.py --out build/e2e_bench \\
         --input-lens 8192 32768 131072 --batch-sizes 1 16 64 --output-len 256
@@ -196,21 +196,16 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "decode_tok_s_max": max(rates),
             }
         out.append(summary)
-    wrapper = {(s["input_len"], s["batch"]): s for s in out if s["mode"] == "wrapper"}
+    by_mode = {(s["mode"], s["input_len"], s["batch"]): s for s in out}
     for s in out:
-        ref = wrapper.get((s["input_len"], s["batch"]))
-        if s["mode"] != "fused" or ref is None:
-            continue
-        if "decode_tok_s" in s and "decode_tok_s" in ref:
-            s["decode_x_wrapper"] = s["decode_tok_s"] / ref["decode_tok_s"]
-    dense = {(s["input_len"], s["batch"]): s for s in out if s["mode"] == "dense"}
-    for s in out:
-        ref = dense.get((s["input_len"], s["batch"]))
-        if ref is None or s["mode"] == "dense":
-            continue
-        s["ttft_x_dense"] = s["ttft_ms"] / ref["ttft_ms"]
-        if "decode_tok_s" in s and "decode_tok_s" in ref:
-            s["decode_x_dense"] = s["decode_tok_s"] / ref["decode_tok_s"]
+        row = (s["input_len"], s["batch"])
+        dense = by_mode.get(("dense", *row)) if s["mode"] != "dense" else None
+        wrapper = by_mode.get(("wrapper", *row)) if s["mode"] == "fused" else None
+        if dense is not None:
+            s["ttft_x_dense"] = s["ttft_ms"] / dense["ttft_ms"]
+        for name, ref in (("decode_x_dense", dense), ("decode_x_wrapper", wrapper)):
+            if ref is not None and "decode_tok_s" in s and "decode_tok_s" in ref:
+                s[name] = s["decode_tok_s"] / ref["decode_tok_s"]
     return out
 
 
@@ -320,7 +315,7 @@ def run_engine(args: argparse.Namespace) -> int:
     step_log = attach_step_log(llm)
     text_config = llm.llm_engine.model_config.hf_text_config
     attention_layers = len(text_config.linear_attn_config["full_attn_layers"])
-    # vllm bench latency draws ids below 10000; the tiny vocabulary is 1024.
+    # vllm bench latency's prompt ids: below 10000 (or the vocabulary).
     vocab = min(10000, llm.llm_engine.model_config.get_vocab_size())
     params = SamplingParams(
         temperature=1.0,
