@@ -7,8 +7,11 @@ and the model runner run in this thread) serves each ``--rows`` entry
 (``INPUTxBATCH``, as ``bench_e2e_dsa.py``'s rows) in turn.
 
 * ``--decode-steps N`` (the default, 64): the engine is stepped by hand; once
-  every request of the row has its first token (the prefill is over) and a
-  few more steps have run, ``N`` steps are timed and profiled together:
+  every request of the row has its first token (the prefill is over; read
+  from the engine core's scheduler, since the requests are FINAL_ONLY as in
+  ``generate`` and ``step()`` returns nothing for them until they finish) and
+  a few more steps have run, ``N`` steps are timed and profiled together
+  (a window in which a request finished, or no kernel ran, is refused):
   cProfile for the host, ``torch.profiler`` for the GPU's kernels. The report
   gives the wall time per step, the GPU's busy time per step (the union of
   the kernels' intervals: where it is well under the wall time, the step is
@@ -126,6 +129,55 @@ def profile_generate(llm: Any, prompts: Any, params: Any, top: int) -> str:
     return text.getvalue()
 
 
+def engine_scheduler(engine: Any) -> Any:
+    """The scheduler of an in-process engine core (``LLMEngine`` with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), whose requests show how far each
+    one is: ``LLM.generate`` makes its sampling parameters ``FINAL_ONLY``, so
+    ``step()`` returns nothing for a request until it finishes."""
+    core = getattr(engine.engine_core, "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is None:
+        raise RuntimeError(
+            "profile_e2e_step.py needs the engine core in this process "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0); got "
+            f"{type(engine.engine_core).__name__}"
+        )
+    return scheduler
+
+
+def step_until_decoding(
+    engine: Any, scheduler: Any, batch: int, max_steps: int = 100_000
+) -> int:
+    """Step ``engine`` until each of the ``batch`` requests in ``scheduler``
+    has its first token (its prefill is over); returns the steps taken.
+    Raises if a request leaves the scheduler first (it finished: the row's
+    output is too short for the window) or after ``max_steps``."""
+    for steps in range(max_steps):
+        requests = list(scheduler.requests.values())
+        if len(requests) != batch:
+            raise RuntimeError(
+                f"{len(requests)} requests in the scheduler, expected the row's "
+                f"{batch}: a request finished before its decode window (raise "
+                "--output-len) or another one is in flight"
+            )
+        if all(request.num_output_tokens >= 1 for request in requests):
+            return steps
+        engine.step()
+    raise RuntimeError(f"the row's prefill did not end within {max_steps} steps")
+
+
+def check_window(scheduler: Any, batch: int, steps: int) -> None:
+    """The profiled window counts only if the row's ``batch`` requests were
+    still decoding at its end (none finished inside it)."""
+    in_flight = len(scheduler.requests)
+    if in_flight != batch:
+        raise RuntimeError(
+            f"only {in_flight} of the row's {batch} requests were still in flight "
+            f"after the {steps}-step window: the window timed finished requests "
+            "(raise --output-len)"
+        )
+
+
 def profile_decode(llm: Any, prompts: Any, params: Any, steps: int, top: int) -> str:
     """Step the engine by hand; profile ``steps`` pure-decode steps."""
     import torch
@@ -133,19 +185,15 @@ def profile_decode(llm: Any, prompts: Any, params: Any, steps: int, top: int) ->
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.llm_engine
-    # Warm-up: the same row once through generate.
+    scheduler = engine_scheduler(engine)
+    # Warm-up: the same row once through generate (which makes ``params``
+    # FINAL_ONLY, as in vLLM's own latency benchmark).
     llm.generate(prompts(), params, use_tqdm=False)
     batch = prompts()
     ids = [f"profiled-{i}" for i in range(len(batch))]
     for request_id, prompt in zip(ids, batch, strict=True):
         engine.add_request(request_id, prompt, params)
-    # Outputs carry these ids, or vLLM's internal ones made from them.
-    started: set[str] = set()
-    while len(started) < len(ids):
-        for out in engine.step():
-            first = out.outputs and out.outputs[0].token_ids
-            if first and out.request_id.startswith("profiled-"):
-                started.add(out.request_id)
+    step_until_decoding(engine, scheduler, len(batch))
     for _ in range(SETTLE_STEPS):
         engine.step()
     host = cProfile.Profile()
@@ -158,6 +206,7 @@ def profile_decode(llm: Any, prompts: Any, params: Any, steps: int, top: int) ->
         host.disable()
         torch.cuda.synchronize()
         wall_s = time.perf_counter() - t0
+    check_window(scheduler, len(batch), steps)
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
@@ -166,6 +215,11 @@ def profile_decode(llm: Any, prompts: Any, params: Any, steps: int, top: int) ->
         for e in gpu.events()
         if e.device_type == DeviceType.CUDA
     ]
+    if not kernels:
+        raise RuntimeError(
+            "torch.profiler saw no CUDA kernel in the decode window: the steps "
+            "ran nothing on the GPU"
+        )
     gpu_us = busy_us((start, end) for _, start, end in kernels)
     text = io.StringIO()
     text.write(

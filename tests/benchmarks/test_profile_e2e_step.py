@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -77,3 +78,77 @@ def test_bad_rows_are_refused(capsys: pytest.CaptureFixture[str], row: str) -> N
 def test_rows_parse() -> None:
     args = load().parse_args(["--model", "m", "--out", "o", "--rows", "8x1", "32x4"])
     assert args.rows == [(8, 1), (32, 4)]
+
+
+class SteppedEngine:
+    """Stands in for an in-process ``LLMEngine`` (a CPU cannot step one): each
+    step a request still prefilling advances one chunk, one that has
+    prefilled gets a token, and a request with ``max_tokens`` tokens leaves
+    the scheduler, as vLLM's does. Like ``LLM.generate``'s FINAL_ONLY
+    requests, ``step()`` returns nothing for unfinished requests; the
+    requests are vLLM's own ``Request``."""
+
+    def __init__(self, prefill_steps: list[int], max_tokens: int) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=max_tokens)
+        self.requests = {
+            f"r{i}": Request(f"r{i}", [1, 2, 3], params, None)
+            for i in range(len(prefill_steps))
+        }
+        self.prefill_left = dict(zip(self.requests, prefill_steps, strict=True))
+        self.max_tokens = max_tokens
+        self.engine_core = SimpleNamespace(
+            engine_core=SimpleNamespace(
+                scheduler=SimpleNamespace(requests=self.requests)
+            )
+        )
+
+    def step(self) -> list:
+        for request_id, request in list(self.requests.items()):
+            if self.prefill_left[request_id] > 0:
+                self.prefill_left[request_id] -= 1
+                continue
+            request.append_output_token_ids(7)
+            if request.num_output_tokens >= self.max_tokens:
+                del self.requests[request_id]
+        return []
+
+
+def test_the_window_starts_once_every_request_decodes() -> None:
+    # Staggered prefills (chunked prefill finishes requests at different steps).
+    m = load()
+    engine = SteppedEngine(prefill_steps=[1, 3, 5], max_tokens=100)
+    scheduler = m.engine_scheduler(engine)
+    steps = m.step_until_decoding(engine, scheduler, batch=3)
+    assert steps == 6
+    assert [r.num_output_tokens for r in engine.requests.values()] == [5, 3, 1]
+    for _ in range(64):
+        engine.step()
+    m.check_window(scheduler, batch=3, steps=64)
+
+
+def test_a_row_too_short_for_the_window_is_refused() -> None:
+    m = load()
+    # The first request finishes (2 tokens) before the last one has prefilled.
+    engine = SteppedEngine(prefill_steps=[0, 4], max_tokens=2)
+    scheduler = m.engine_scheduler(engine)
+    with pytest.raises(RuntimeError, match="--output-len"):
+        m.step_until_decoding(engine, scheduler, batch=2)
+    # Requests that finish inside the window make it void.
+    engine = SteppedEngine(prefill_steps=[0, 0], max_tokens=10)
+    assert (
+        m.step_until_decoding(engine, scheduler := m.engine_scheduler(engine), 2) == 1
+    )
+    for _ in range(12):
+        engine.step()
+    with pytest.raises(RuntimeError, match="0 of the row's 2 requests"):
+        m.check_window(scheduler, batch=2, steps=12)
+
+
+def test_a_multiprocess_engine_is_refused() -> None:
+    # The engine core in another process (vLLM's default) has no scheduler here.
+    engine = SimpleNamespace(engine_core=SimpleNamespace(outputs_queue=None))
+    with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        load().engine_scheduler(engine)
