@@ -144,3 +144,35 @@ def test_the_cute_dsl_suites_find_its_cutlass_before_vllms():
         assert path == [str(dsl), str(run.SITE), str(run.SITE_CUTE)], name
     assert suite.env["VLLM_KIMI_K3_GEMM_AR"] == "0"
     assert suite.timeout_s <= 600
+
+
+def test_a_poll_keeps_large_files_that_compress_and_names_what_it_leaves_out(
+    tmp_path,
+):
+    # A 5 MiB records file that compresses well (as bench_e2e_dsa.py's
+    # records.jsonl does) comes back; random bytes that would push the archive
+    # over --max-archive-bytes, and a file over --max-file-bytes, are left
+    # out, and the poll names them.
+    import os
+
+    state, out = tmp_path / "gpu", tmp_path / "out"
+    (state / "bench").mkdir(parents=True)
+    out.mkdir()
+    (state / "progress.json").write_text("{}")
+    records = state / "bench" / "records.jsonl"
+    records.write_text('{"mode": "fused", "step_ms": 3.25}\n' * 150_000)
+    (state / "bench" / "noise.bin").write_bytes(os.urandom(3 << 20))
+    (state / "bench" / "huge.log").write_text("x" * (7 << 20))
+    polled = runner(
+        state, "poll", "--max-archive-bytes", str(2 << 20),
+        "--max-file-bytes", str(6 << 20), env={"OUT": str(out)},
+    )  # fmt: skip
+    assert polled.returncode == 0, polled.stderr
+    with tarfile.open(out / "gpu-results.tar.gz") as tar:
+        names = tar.getnames()
+        kept = tar.extractfile("gpu/bench/records.jsonl").read()
+    assert kept == records.read_bytes()
+    assert "gpu/bench/noise.bin" not in names and "gpu/bench/huge.log" not in names
+    assert f"left out gpu/bench/noise.bin ({3 << 20} B)" in polled.stdout
+    assert f"left out gpu/bench/huge.log ({7 << 20} B)" in polled.stdout
+    assert (out / "gpu-results.tar.gz").stat().st_size <= 2 << 20

@@ -38,6 +38,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -440,12 +441,38 @@ def poll(args: argparse.Namespace) -> int:
     out = os.environ.get("OUT")
     if out and state.exists():
         archive = Path(out) / "gpu-results.tar.gz"
-        with tarfile.open(archive, "w:gz") as tar:
-            for path in sorted(state.rglob("*")):
-                if path.is_file() and path.stat().st_size <= args.max_file_bytes:
-                    tar.add(path, arcname=str(path.relative_to(state.parent)))
+        left_out = pack_results(
+            state, archive, args.max_file_bytes, args.max_archive_bytes
+        )
+        for path, size in left_out:
+            print(f"left out {path.relative_to(state.parent)} ({size} B)")
         print(f"packed {archive} ({archive.stat().st_size} B)")
     return 0
+
+
+def pack_results(
+    state: Path, archive: Path, max_file_bytes: int, max_archive_bytes: int
+) -> list[tuple[Path, int]]:
+    """Pack every file of ``state`` up to ``max_file_bytes`` into ``archive``;
+    while the archive is over ``max_archive_bytes`` (the device tool returns
+    files up to 16 MiB), pack again without the file that compresses worst
+    (most bytes once compressed). Returns the files left out, with sizes."""
+    files = sorted(p for p in state.rglob("*") if p.is_file())
+    sizes = {path: path.stat().st_size for path in files}
+    left_out = [path for path in files if sizes[path] > max_file_bytes]
+    compressed: dict[Path, int] = {}
+    while True:
+        packed = [path for path in files if path not in left_out]
+        with tarfile.open(archive, "w:gz") as tar:
+            for path in packed:
+                tar.add(path, arcname=str(path.relative_to(state.parent)))
+        if archive.stat().st_size <= max_archive_bytes or not packed:
+            return [(path, sizes[path]) for path in left_out]
+        if not compressed:
+            compressed = {
+                path: len(zlib.compress(path.read_bytes(), 1)) for path in packed
+            }
+        left_out.append(max(packed, key=lambda path: compressed[path]))
 
 
 def stop(args: argparse.Namespace) -> int:
@@ -491,7 +518,19 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("poll")
     p.add_argument("--wait", type=float, default=0.0, help="seconds, at most")
     p.add_argument("--tail", type=int, default=6, help="console lines per suite")
-    p.add_argument("--max-file-bytes", type=int, default=4 << 20)
+    p.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=64 << 20,
+        help="leave out files larger than this (before compression)",
+    )
+    p.add_argument(
+        "--max-archive-bytes",
+        type=int,
+        default=15 << 20,
+        help="leave out the largest files until the archive is this small "
+        "(the device tool returns files up to 16 MiB)",
+    )
     p.set_defaults(fn=poll)
     sub.add_parser("stop").set_defaults(fn=stop)
     sub.add_parser("_supervise").set_defaults(fn=_supervise)
