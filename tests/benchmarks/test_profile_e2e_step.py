@@ -138,9 +138,8 @@ def test_a_row_too_short_for_the_window_is_refused() -> None:
         m.step_until_decoding(engine, scheduler, batch=2)
     # Requests that finish inside the window make it void.
     engine = SteppedEngine(prefill_steps=[0, 0], max_tokens=10)
-    assert (
-        m.step_until_decoding(engine, scheduler := m.engine_scheduler(engine), 2) == 1
-    )
+    scheduler = m.engine_scheduler(engine)
+    assert m.step_until_decoding(engine, scheduler, batch=2) == 1
     for _ in range(12):
         engine.step()
     with pytest.raises(RuntimeError, match="0 of the row's 2 requests"):

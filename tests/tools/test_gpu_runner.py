@@ -7,6 +7,7 @@ progress survives in the state folder, and a poll packs what there is."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -21,8 +22,6 @@ RUNNER = Path(__file__).resolve().parents[2] / "tools" / "gpu" / "run.py"
 def runner(
     state: Path, *args: str, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    import os
-
     return subprocess.run(
         [sys.executable, str(RUNNER), "--state", str(state), *args],
         capture_output=True,
@@ -153,8 +152,6 @@ def test_a_poll_keeps_large_files_that_compress_and_names_what_it_leaves_out(
     # records.jsonl does) comes back; random bytes that would push the archive
     # over --max-archive-bytes, and a file over --max-file-bytes, are left
     # out, and the poll names them.
-    import os
-
     state, out = tmp_path / "gpu", tmp_path / "out"
     (state / "bench").mkdir(parents=True)
     out.mkdir()
