@@ -9,6 +9,13 @@ On a machine without a GPU, vLLM's ``current_platform`` is
 user's ``vllm serve`` takes (HF config parsing, the model verifiers, the
 general plugins). Set before anything imports vLLM, and only where no CUDA
 device is visible.
+
+vLLM's CPU code then branches on the host's CPU (the CPU platform's MLA
+backend, block size, prefix caching and SSM state dtype; the unquantized GEMM
+dispatch, whose AMX branch needs ops that only vLLM's CPU build has). The CPU
+suite answers every such probe as one x86-64 host with AMX and AVX-512 BF16,
+where vLLM's CPU MLA keeps prefix caching and chunked prefill on as a GPU
+does, so that the suite takes the same branches on every machine.
 """
 
 import os
@@ -26,7 +33,13 @@ def _cuda_device_present() -> bool:
 if "VLLM_TARGET_DEVICE" not in os.environ and not _cuda_device_present():
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 
-from collections.abc import Callable  # noqa: E402
+if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+    # Before vLLM imports: its platform import reads the probes.
+    from cpu_host import pin_cpu_isa
+
+    pin_cpu_isa()
+
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -39,6 +52,22 @@ def _has_vllm() -> bool:
     except ImportError:
         return False
     return True
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _pin_cpu_architecture() -> Iterator[None]:
+    """vLLM's CPU platform reads the architecture from ``platform.machine``;
+    the CPU suite answers x86-64 with the ISA pinned above."""
+    if os.environ.get("VLLM_TARGET_DEVICE") != "cpu" or not _has_vllm():
+        yield
+        return
+    from vllm.platforms.interface import CpuArchEnum, Platform
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            Platform, "get_cpu_architecture", classmethod(lambda cls: CpuArchEnum.X86)
+        )
+        yield
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ the CPU suite uses (no prefix caching, 1024 tokens, no tokenizer)."""
 
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 
 def create_engine_config(model: Path, **kwargs: Any) -> Any:
@@ -17,9 +16,8 @@ def create_engine_config(model: Path, **kwargs: Any) -> Any:
     kwargs.setdefault("enable_prefix_caching", False)
     kwargs.setdefault("max_model_len", 1024)
     kwargs.setdefault("skip_tokenizer_init", True)
-    # Stub: vLLM's CPU platform keeps chunked prefill (and the requested
-    # max_num_batched_tokens) for an MLA model only on a CPU with AMX tiles,
-    # for its CPU MLA kernels; the CUDA engine these configs stand for always
-    # keeps them, so every CPU answers as one with AMX.
-    with mock.patch("torch.cpu._is_amx_tile_supported", return_value=True):
-        return EngineArgs(model=str(model), **kwargs).create_engine_config()
+    # vLLM's CPU platform keeps chunked prefill (and the requested
+    # max_num_batched_tokens) for an MLA model only on a CPU with AMX tiles;
+    # the CUDA engine these configs stand for always keeps them. The suite's
+    # conftest pins the host ISA to one with AMX (PINNED_CPU_ISA).
+    return EngineArgs(model=str(model), **kwargs).create_engine_config()

@@ -382,11 +382,21 @@ def post_load(layer: Any, vllm_config: Any, device: torch.device) -> None:
     loader: every linear's quant method, then the attention layers, MLA's
     W_UK/W_UV split among them), run on the layer in a bare container (a
     layer is not a model: V3.2's would take the model-level hook for its
-    attention one)."""
+    attention one).
+
+    On vLLM's CPU platform the unquantized linears would be repacked for the
+    host's ISA (AMX needs ``torch.ops._C`` ops that only vLLM's CPU build
+    has); ``_cpu_skip_gemm_dispatch``, vLLM's own switch, keeps them on
+    ``F.linear`` on every host. Other platforms ignore it.
+    """
     from torch import nn
 
+    from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
+    for module in layer.modules():
+        if isinstance(module, LinearBase):
+            module._cpu_skip_gemm_dispatch = True
     process_weights_after_loading(
         nn.ModuleDict({"attn": layer}), vllm_config.model_config, device
     )

@@ -323,6 +323,51 @@ def test_metadata_build_time_covers_every_cache_group(
         B.metadata_build_us(bench, reps)
 
 
+# torch.cpu's ISA probes as three kinds of x86-64 host answer them (the suite
+# pins one answer for every other test: tests/conftest.py).
+HOST_CPUS = {
+    "amx": dict.fromkeys(
+        (
+            "_is_amx_tile_supported",
+            "_is_avx512_supported",
+            "_is_avx512_bf16_supported",
+            "_is_avx2_supported",
+        ),
+        True,
+    ),
+    "avx512": dict.fromkeys(
+        ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx2_supported"),
+        True,
+    ),
+    "avx2": {"_is_avx2_supported": True},
+}
+
+
+@pytest.mark.parametrize("host", HOST_CPUS)
+@pytest.mark.parametrize("kind", ["fused", "wrapper", "v32", "dense-bf16"])
+def test_setup_is_the_same_on_every_host_cpu(configs, request, monkeypatch, kind, host):
+    """vLLM's CPU GEMM dispatch repacks a linear's weight for the host's ISA
+    (with AMX through ``torch.ops._C.convert_weight_packed``, which the CUDA
+    wheel lacks); the setup keeps every linear on ``F.linear`` whatever the
+    host reports, so the layer computes the same on every CPU."""
+    request.getfixturevalue("h200_dense" if kind in S.DENSE_LAYERS else "cpu_stubs")
+    from vllm.model_executor.layers.linear import LinearBase
+
+    for name in ("_is_amx_fp16_supported", "_is_vnni_supported", *HOST_CPUS["amx"]):
+        answer = HOST_CPUS[host].get(name, False)
+        monkeypatch.setattr(torch.cpu, name, lambda answer=answer: answer)
+    bench = S.setup(kind, SPECS[0], configs[kind], CPU)
+    linears = [m for m in bench.layer.modules() if isinstance(m, LinearBase)]
+    assert linears
+    torch.manual_seed(0)
+    for linear in linears:
+        assert linear.cpu_linear is torch.nn.functional.linear, linear.prefix
+        x = torch.randn(3, linear.weight.shape[1], dtype=linear.weight.dtype)
+        out = linear(x)[0]
+        assert torch.equal(out, torch.nn.functional.linear(x, linear.weight))
+    S.release(configs[kind])
+
+
 def _check_dtypes_and_device(kind: str, layer, device: torch.device) -> None:
     """As vLLM's loader builds a model: bf16 weights, but the indexer key norm
     and the KV scales stay fp32 (the fused kernels and V3.2's fused_q check
