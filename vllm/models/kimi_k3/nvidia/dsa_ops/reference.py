@@ -3,8 +3,8 @@
 """Pure-torch references of the DSA kernels: the contract they are tested
 against, byte for byte.
 
-One name per op: ``fused_prologue``, ``indexer_k_insert``, ``indexer_q_quant``
-and ``index_rope`` are the entry points (``dsa_fused_prologue``,
+One name per op: ``fused_prologue``, ``indexer_k_insert``, ``indexer_q_quant``,
+``index_rope`` and ``canonical_topk`` are the entry points (``dsa_fused_prologue``,
 ``indexer_k_norm_quant_insert``, ``indexer_q_quant``, ``index_rope``) with
 their arguments, on their pure-torch path (``torch_path.py``) on every
 device, CUDA included, which is what the GPU tests compare the kernels with.
@@ -17,6 +17,9 @@ device as on the kernel path (fp32 off SM10x): pass it explicitly to compare
 one format.
 """
 
+from vllm.models.kimi_k3.nvidia.dsa_ops.canonical_topk import (
+    canonical_topk as _canonical_topk,
+)
 from vllm.models.kimi_k3.nvidia.dsa_ops.fused_prologue import dsa_fused_prologue
 from vllm.models.kimi_k3.nvidia.dsa_ops.index_rope import index_rope as _index_rope
 from vllm.models.kimi_k3.nvidia.dsa_ops.indexer_k_insert import (
@@ -38,6 +41,7 @@ from vllm.models.kimi_k3.nvidia.dsa_ops.torch_path import (
 )
 
 __all__ = [
+    "canonical_topk",
     "fused_prologue",
     "index_rope",
     "indexer_k_insert",
@@ -56,3 +60,4 @@ fused_prologue = run_on_every_device(dsa_fused_prologue, "fused_prologue")
 indexer_k_insert = run_on_every_device(indexer_k_norm_quant_insert, "indexer_k_insert")
 indexer_q_quant = run_on_every_device(_indexer_q_quant, "indexer_q_quant")
 index_rope = run_on_every_device(_index_rope, "index_rope")
+canonical_topk = run_on_every_device(_canonical_topk, "canonical_topk")

@@ -149,6 +149,22 @@ def rope_cos_sin(
     return rows[:, :half], rows[:, sin_start : sin_start + half]
 
 
+def canonical_topk_rows(
+    logits: torch.Tensor, row_lens: torch.Tensor, k: int
+) -> torch.Tensor:
+    """``canonical_topk``'s rows from the scores alone: per row the ``k``
+    largest of its first ``row_lens[r]`` scores (ties to the lowest column;
+    every column of a row no longer than ``k``), ascending, then -1."""
+    out = torch.full((logits.shape[0], k), -1, dtype=torch.int32)
+    for r, n in enumerate(row_lens.tolist()):
+        scores = logits[r, :n].float().cpu()
+        # A stable descending sort keeps equal scores in column order.
+        order = torch.sort(scores, descending=True, stable=True).indices[:k]
+        kept = torch.sort(order).values
+        out[r, : kept.numel()] = kept.to(torch.int32)
+    return out.to(logits.device)
+
+
 # Set while an entry point is to take its pure-torch path on every device.
 _TORCH_PATH = contextvars.ContextVar("kimi_k3_dsa_torch_path", default=False)
 
