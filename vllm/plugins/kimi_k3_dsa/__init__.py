@@ -65,6 +65,9 @@ Patch module             Upstream target (vLLM 0.33.0) -> the in-tree edit
                          ``model_loader/default_loader.py``
                          ``track_weights_loading`` -> the same refusal
                          before its generic one
+``splitting_ops``        ``config/compilation.py``
+                         ``CompilationConfig._attention_ops`` -> the Kimi
+                         K3.1 indexer op beside vLLM's ``sparse_attn_indexer``
 =======================  =====================================================
 
 Remove a seam when the vLLM this package targets has its in-tree edit; until
@@ -91,6 +94,7 @@ Patch module             Remove when vLLM ...
 ``dsa_weights``          loads the indexer checkpoint names in Kimi K3's
                          ``load_weights`` (target and MTP)
 ``dsa_post_load``        packs the DSA projections after loading
+``splitting_ops``        splits piecewise graphs at the Kimi K3.1 indexer op
 =======================  =====================================================
 
 The patches target 0.33.0's internals, so :func:`register` refuses any other
@@ -116,6 +120,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "dsa_layers",
     "dsa_weights",
     "dsa_post_load",
+    "splitting_ops",
 )
 
 _registered = False

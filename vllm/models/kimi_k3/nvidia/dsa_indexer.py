@@ -4,11 +4,11 @@
 
 :class:`KimiK3DSAIndexer` scores every cached token of a request with the
 indexer query and keeps the top ``index_topk`` (into the model-level top-k
-buffer that sparse MLA reads). It drives vLLM's own
-``torch.ops.vllm.sparse_attn_indexer`` over a ``DeepseekV32IndexerCache``
-subclass, as 0.33.0's DeepSeek V3.2 indexer does; with ``vllm._kimi_k3_C``
-built, the key is normed, quantized and inserted by our fused kernel instead
-of the op.
+buffer that sparse MLA reads). It drives ``kimi_k3_sparse_attn_indexer``
+(vLLM's ``sparse_attn_indexer`` steps with a deterministic top-k,
+:mod:`.dsa_indexer_op`) over a ``DeepseekV32IndexerCache`` subclass; with
+``vllm._kimi_k3_C`` built, the key is normed, quantized and inserted by our
+fused kernel instead of the op.
 
 Checkpoints name the weights ``self_attn.indexer.{wq_b, wk, weights_proj,
 k_norm}``; the module tree keeps ``self_attn.dsa_indexer.{wq_index,
@@ -46,6 +46,7 @@ from vllm.models.kimi_k3.common.dsa_envs import (
     force_wrapper_forward,
 )
 from vllm.models.kimi_k3.common.dsa_formats import k_insert_unsupported
+from vllm.models.kimi_k3.nvidia import dsa_indexer_op  # noqa: F401 (its op)
 from vllm.models.kimi_k3.nvidia.dsa_ops import _extension as dsa_extension
 from vllm.models.kimi_k3.nvidia.dsa_ops import (
     index_rope,
@@ -108,8 +109,8 @@ class KimiK3DSAIndexer(nn.Module):
     (``KimiK3IndexerCache``, a ``DeepseekV32IndexerCache``).
 
     Forward quantizes the indexer query, folds the scales into the per-head
-    weights and drives ``torch.ops.vllm.sparse_attn_indexer`` directly (the
-    upstream ``deepseek_v2.Indexer`` pattern).
+    weights and drives ``torch.ops.vllm.kimi_k3_sparse_attn_indexer``
+    directly (the upstream ``deepseek_v2.Indexer`` pattern).
 
     ``dcp_local_topk`` (the specialized DCP decode merge) comes from upstream's
     ``init_dcp_topk_merge`` where it exists; on 0.33.0 it is 0 and the op's
@@ -409,9 +410,9 @@ class KimiK3DSAIndexer(nn.Module):
                 index_q, index_weights, weight_scale, self.padded_index_num_heads
             )
         # Inserts the keys (unless fused) and writes the top-k into the shared
-        # buffer, as SparseAttnIndexer.forward_cuda. In a dummy run kv_cache is
+        # buffer in canonical form (dsa_indexer_op). In a dummy run kv_cache is
         # an empty placeholder and the op only reserves its workspace.
-        return torch.ops.vllm.sparse_attn_indexer(
+        return torch.ops.vllm.kimi_k3_sparse_attn_indexer(
             hidden_states,
             _encode_layer_name(self.k_cache.prefix),
             self.k_cache.kv_cache,
@@ -427,15 +428,12 @@ class KimiK3DSAIndexer(nn.Module):
             self.max_total_seq_len,
             self.topk_indices_buffer,
             self.use_fused_k_insert,  # skip_k_cache_insert
-            self.use_pcp,
-            self._parallel_config.pcp_shard_decode_requests,
             _encode_layer_name(self.dense_mha_metadata_layer_name),
             self.use_fp4_cache,
             self.dcp_rank,
             self.dcp_world_size,
             self.cp_kv_cache_interleave_size,
-            skip_topk_buffer_clear=self.use_fused_k_insert,
-            topk_backend=self.topk_backend,
+            self.topk_backend,
         )
 
 
