@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""vLLM's real configuration path on a checkpoint directory, with the defaults
-the CPU suite uses (no prefix caching, 1024 tokens, no tokenizer)."""
+"""vLLM's real configuration path on a checkpoint directory, with vLLM's
+defaults (prefix caching on) but for 1024 tokens and no tokenizer."""
 
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,6 @@ def create_engine_config(model: Path, **kwargs: Any) -> Any:
     serve`` runs."""
     from vllm.engine.arg_utils import EngineArgs
 
-    kwargs.setdefault("enable_prefix_caching", False)
     kwargs.setdefault("max_model_len", 1024)
     kwargs.setdefault("skip_tokenizer_init", True)
     # vLLM's CPU platform keeps chunked prefill (and the requested

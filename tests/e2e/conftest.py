@@ -125,7 +125,13 @@ def engine_pool(
     processes (``engine_pool.EnginePool``; ``KIMI_K3_DSA_E2E_PARALLEL`` caps
     how many run at once)."""
     from engine_pool import EnginePool
-    from tiny_serving import ALL_PROMPTS, SHORT_PROMPTS, dense_twin
+    from tiny_serving import (
+        ALL_PROMPTS,
+        PREEMPT_PROMPTS,
+        PREFIX_PROMPTS,
+        SHORT_PROMPTS,
+        dense_twin,
+    )
 
     specs = request.config.stash.get(ENGINE_SPECS, {})
     checkpoints = {"dsa": tiny_dsa}
@@ -146,7 +152,12 @@ def engine_pool(
     work.mkdir(exist_ok=True)
     pool = EnginePool(
         checkpoints,
-        {"all": ALL_PROMPTS, "short": SHORT_PROMPTS},
+        {
+            "all": ALL_PROMPTS,
+            "short": SHORT_PROMPTS,
+            "prefix": PREFIX_PROMPTS,
+            "preempt": PREEMPT_PROMPTS,
+        },
         work,
         log_dir,
         int(os.environ.get("KIMI_K3_DSA_E2E_PARALLEL", len(specs) or 1)),

@@ -139,16 +139,24 @@ def test_paths_are_read_from_the_metadata_and_the_layer():
     assert _step_paths(layer, mixed) == [SPARSE_PREFILL, DECODE]
     assert _step_paths(layer, decode) == [DECODE]
     worker = SimpleNamespace(
-        _kimi_k3_dsa_e2e_attention_paths=[[DENSE_MHA_PREFILL], [DECODE], [DECODE]]
+        _kimi_k3_dsa_e2e_attention_paths=[
+            [SPARSE_PREFILL],
+            [SPARSE_PREFILL, DECODE],
+            [DECODE],
+            [DECODE],
+        ]
     )
-    assert read_attention_paths(worker) == [DENSE_MHA_PREFILL, DECODE]
-    assert read_attention_paths(worker) == []
-    assert read_attention_paths(SimpleNamespace()) == []
+    # Paths in order of first use; two steps prefilled (a chunked prefill).
+    assert read_attention_paths(worker) == ([SPARSE_PREFILL, DECODE], 2)
+    assert read_attention_paths(worker) == ([], 0)
+    assert read_attention_paths(SimpleNamespace()) == ([], 0)
 
 
-def test_every_engine_a_test_names_is_configured():
-    import test_tiny_serving as suite
+@pytest.mark.parametrize("module", ["test_tiny_serving", "test_prefix_caching"])
+def test_every_engine_a_test_names_is_configured(module: str):
+    import importlib
 
+    suite = importlib.import_module(module)
     named = {
         label
         for item in vars(suite).values()

@@ -90,6 +90,12 @@ DCP_MAX_NUM_BATCHED_TOKENS = 1024
 # below and above top-k; the short ones select every cached token.
 REAL_ATTENTION_PROMPT_LENS = (17, 700, 2500, 3500)
 REAL_ATTENTION_MAX_MODEL_LEN = 4096
+# Prefix caching (test_prefix_caching). vLLM caches and hits whole blocks: the
+# e2e checkpoint's packed block is 2048 tokens (kimi-k3-dsa-kv-plan), and
+# steps of at most one block keep every prefill chunk on block boundaries.
+PACKED_BLOCK_TOKENS = 2048
+PREFIX_MAX_MODEL_LEN = 8192
+PREFIX_MAX_NUM_BATCHED_TOKENS = PACKED_BLOCK_TOKENS
 # Engine labels of one-GPU runs that several test modules compare against
 # (``engine_runs`` caches by label, so each runs once per session).
 ONE_GPU_LABEL = "dsa-fused-{mode}-dense-mha"
@@ -129,13 +135,44 @@ ALL_PROMPTS = prompts(SHORT_PROMPT_LENS + LONG_PROMPT_LENS)
 SHORT_PROMPTS = ALL_PROMPTS[: len(SHORT_PROMPT_LENS)]
 
 
+def _prefix_prompts() -> list[list[int]]:
+    """Served in this order (``PREFIX_*`` indices): a prompt that fills one
+    block and part of the next; one sharing its first block; its exact
+    repeat; its first block and a suffix longer than a prefill step; an
+    unrelated one."""
+    fill, shared_tail, long_tail, other = prompts((2600, 400, 3000, 2600), seed=1)
+    return [
+        fill,
+        fill[:2300] + shared_tail,
+        list(fill),
+        fill[:PACKED_BLOCK_TOKENS] + long_tail,
+        other,
+    ]
+
+
+PREFIX_PROMPTS = _prefix_prompts()
+PREFIX_FILL, PREFIX_SHARED, PREFIX_REPEAT, PREFIX_CHUNKED, PREFIX_OTHER = range(5)
+# Three prompts of one shared block and 2040 tokens of their own: together
+# with 12 new tokens each they need a third block during decode, which a
+# cache of five blocks cannot give all three (preemption).
+PREEMPT_PROMPTS = [
+    prompts((PACKED_BLOCK_TOKENS,), seed=5)[0] + tail
+    for tail in prompts((2040, 2040, 2040), seed=6)
+]
+PREEMPT_MAX_MODEL_LEN = 3 * PACKED_BLOCK_TOKENS
+PREEMPT_NUM_BLOCKS = 6  # five usable: vLLM keeps block 0 as its null block
+
+
 @dataclass
 class Completion:
     """One greedy completion: its tokens and, per position, the top logprobs
-    (token id -> logprob) including the chosen token."""
+    (token id -> logprob) including the chosen token; ``cached_tokens`` is
+    vLLM's ``num_cached_tokens`` (the prompt tokens a prefix-cache hit
+    served)."""
 
     tokens: list[int]
     logprobs: list[dict[int, float]] | None
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -160,6 +197,12 @@ class EngineRun:
     # steps took, in order of first use (see record_attention_paths).
     prompt_paths: list[list[str]] = field(default_factory=list)
     batched_paths: list[str] = field(default_factory=list)
+    # Per prompt served alone: the steps that prefilled it (chunked prefill
+    # takes several).
+    prompt_prefill_steps: list[int] = field(default_factory=list)
+    # Requests the scheduler preempted, over the whole run (read where the
+    # engine logs stats: ``disable_log_stats=False``).
+    preemptions: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -175,6 +218,7 @@ class EngineRun:
                     else [
                         {int(t): lp for t, lp in pos.items()} for pos in c["logprobs"]
                     ],
+                    c.get("cached_tokens"),
                 )
                 for c in items
             ]
@@ -268,7 +312,6 @@ def run_llm(
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=MAX_NUM_SEQS,
         gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
-        enable_prefix_caching=False,
         seed=0,
     )
     kwargs.update(engine_kwargs)
@@ -295,15 +338,15 @@ def run_llm(
 
     def generate(
         llm: Any, batch: list[list[int]]
-    ) -> tuple[list[Completion], list[str]]:
+    ) -> tuple[list[Completion], list[str], int]:
         with _watchdog(timeout_s, f"{label}: generate"):
             outputs = llm.generate(
                 [TokensPrompt(prompt_token_ids=p) for p in batch],
                 params,
                 use_tqdm=False,
             )
-        steps = llm.collective_rpc(read_attention_paths, timeout=60)[0]
-        return [_completion(output) for output in outputs], steps
+        paths, prefill_steps = llm.collective_rpc(read_attention_paths, timeout=60)[0]
+        return [_completion(output) for output in outputs], paths, prefill_steps
 
     with environment(env):
         start = time.perf_counter()
@@ -316,14 +359,19 @@ def run_llm(
             llm.collective_rpc(record_attention_paths, timeout=60)
             completions: list[Completion] = []
             prompt_paths: list[list[str]] = []
+            prefill_steps: list[int] = []
             start = time.perf_counter()
             for i, prompt in enumerate(prompt_ids):
-                (completion,), steps = generate(llm, [prompt])
+                (completion,), paths, steps = generate(llm, [prompt])
                 if i == 0:
                     first_s = time.perf_counter() - start
                 completions.append(completion)
-                prompt_paths.append(steps)
-            batched, batched_paths = generate(llm, prompt_ids)
+                prompt_paths.append(paths)
+                prefill_steps.append(steps)
+            batched, batched_paths, _ = generate(llm, prompt_ids)
+            preemptions = None
+            if not kwargs.get("disable_log_stats", True):
+                preemptions = _counter(llm, "vllm:num_preemptions")
         finally:
             _shutdown(llm)
     workers = kv_cache.workers if kv_cache is not None else []
@@ -339,7 +387,14 @@ def run_llm(
         model_runner=workers[0].get("model_runner") if workers else None,
         prompt_paths=prompt_paths,
         batched_paths=batched_paths,
+        prompt_prefill_steps=prefill_steps,
+        preemptions=preemptions,
     )
+
+
+def _counter(llm: Any, name: str) -> int:
+    """A counter of the engine's metrics (summed over its labels)."""
+    return int(sum(m.value for m in llm.get_metrics() if m.name == name))
 
 
 def _completion(output: Any) -> Completion:
@@ -350,7 +405,7 @@ def _completion(output: Any) -> Completion:
             {int(tok): float(lp.logprob) for tok, lp in position.items()}
             for position in sample.logprobs
         ]
-    return Completion(list(sample.token_ids), top)
+    return Completion(list(sample.token_ids), top, output.num_cached_tokens)
 
 
 @contextlib.contextmanager
@@ -450,17 +505,20 @@ def record_attention_paths(worker: Any) -> int:
     return len(groups[0].metadata_builders)
 
 
-def read_attention_paths(worker: Any) -> list[str]:
+def read_attention_paths(worker: Any) -> tuple[list[str], int]:
     """In a worker: the paths recorded since the last read, in order of first
-    use, and clear them."""
+    use, and how many of those steps prefilled; clear them."""
     recorded = getattr(worker, _PATHS_ATTR, None)
     if recorded is None:
-        return []
+        return [], 0
     ordered: list[str] = []
     for step in recorded:
         ordered += [p for p in step if p not in ordered]
+    prefill_steps = sum(
+        1 for step in recorded if DENSE_MHA_PREFILL in step or SPARSE_PREFILL in step
+    )
     recorded.clear()
-    return ordered
+    return ordered, prefill_steps
 
 
 def kv_cache_allocation(llm: Any) -> KVCacheAllocation:
@@ -695,7 +753,6 @@ def serve_and_complete(
         "--max-model-len",
         str(MAX_MODEL_LEN),
         *memory_args,
-        "--no-enable-prefix-caching",
         "--max-num-seqs",
         str(MAX_NUM_SEQS),
         *extra_args,

@@ -116,6 +116,23 @@ SUITES: dict[str, Suite] = {
         900,
         "top-k recall and layer-output error of the quantized caches",
     ),
+    "topk-determinism": Suite(
+        "python3 -m pytest -m gpu -v -s -p no:cacheprovider "
+        "tests/kernels/test_canonical_topk_gpu.py >$LOGS/pytest.log 2>&1",
+        {**VLLM_ENV, **KERNEL_ENV},
+        300,
+        "canonical_topk against its reference, and vLLM's own top-k kernels on "
+        "scores with ties: raw run-to-run changes, canonical rows fixed "
+        "(vLLM installed)",
+    ),
+    "topk-bench": Suite(
+        "python3 benchmarks/kernels/bench_canonical_topk.py "
+        "--json $LOGS/canonical_topk.json",
+        VLLM_ENV,
+        300,
+        "what canonical_topk adds to vLLM's top-k kernels (graph replay, "
+        "decode and prefill shapes, scores with and without ties)",
+    ),
     "dcp1gpu": Suite(
         "python3 -m pytest -m gpu -v -p no:cacheprovider "
         "tests/kernels/test_dsa_dcp2_one_gpu.py >$LOGS/pytest.log 2>&1",
