@@ -89,9 +89,10 @@ class Suite:
 SUITES: dict[str, Suite] = {
     "e2e": Suite(
         "OUT=$LOGS bash tests/e2e/e2e_gpu_run.sh",
-        VLLM_ENV,
+        CUTE_ENV,
         1200,
-        "the one-GPU serving suite (vllm.LLM and vllm serve)",
+        "the one-GPU serving suite (vllm.LLM and vllm serve), the CuTe DSL "
+        "staged as a vLLM install has it",
     ),
     "kernels": Suite(
         'OUT=$LOGS KIMI_K3_DSA_KERNEL_STEPS="tests bad sanitizer" '
