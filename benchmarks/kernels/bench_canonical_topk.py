@@ -46,8 +46,8 @@ def vllm_topk(mode: str, logits, lens, out, workspace):
             logits, starts, lens, out, rows, logits.stride(0), 1, K
         )
     op = torch.ops._C.cooperative_topk if rows <= 64 else torch.ops._C.persistent_topk
-    seq_lens = lens.view(-1, 1)
-    return lambda: op(logits, seq_lens, out, workspace, K, int(lens.max()))
+    seq_lens, max_len = lens.view(-1, 1), int(lens.max())
+    return lambda: op(logits, seq_lens, out, workspace, K, max_len)
 
 
 def measure(

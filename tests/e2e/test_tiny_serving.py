@@ -133,8 +133,7 @@ def test_batched_equals_one_at_a_time(one_gpu_runs, report_agreement):
     batched = dataclasses.replace(run, label="batched", completions=run.batched)
     agreement = compare(run, batched)
     report_agreement("batched-vs-single", agreement)
-    assert agreement.identical, agreement
-    assert_agree(agreement, num_short=len(ALL_PROMPTS))
+    assert_agree(agreement)
 
 
 @pytest.mark.engines(REFERENCE, "dsa-fused-graphs-force-mqa")

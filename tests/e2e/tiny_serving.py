@@ -114,6 +114,8 @@ def e2e_checkpoint_overrides() -> dict[str, Any]:
         "num_attention_heads": E2E_QUERY_HEADS,
         "num_key_value_heads": E2E_QUERY_HEADS,
         "dsa_config": {**TINY_DSA_CONFIG, "index_topk": E2E_INDEX_TOPK},
+        # Room for the prefix-caching prompts (a NoPE model: no rope table).
+        "max_position_embeddings": PREFIX_MAX_MODEL_LEN,
     }
 
 
@@ -362,11 +364,11 @@ def run_llm(
             prefill_steps: list[int] = []
             start = time.perf_counter()
             for i, prompt in enumerate(prompt_ids):
-                (completion,), paths, steps = generate(llm, [prompt])
+                (completion,), step_paths, steps = generate(llm, [prompt])
                 if i == 0:
                     first_s = time.perf_counter() - start
                 completions.append(completion)
-                prompt_paths.append(paths)
+                prompt_paths.append(step_paths)
                 prefill_steps.append(steps)
             batched, batched_paths, _ = generate(llm, prompt_ids)
             preemptions = None
