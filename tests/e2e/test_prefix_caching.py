@@ -185,7 +185,7 @@ def test_hits_with_the_mtp_draft(one_gpu_runs, report_agreement):
 @pytest.mark.engines("pc-preempt-graphs")
 def test_hit_then_preemption_and_recompute(one_gpu_runs, report_agreement):
     """Three requests hit their shared block, then need a third block each
-    during decode, which five blocks cannot give: the scheduler preempts and
+    during decode, which nine blocks cannot give: the scheduler preempts and
     recomputes; the tokens are those each prompt gets alone."""
     run = one_gpu_runs.run("pc-preempt-graphs")
     assert run.preemptions is not None and run.preemptions > 0, run.preemptions

@@ -155,14 +155,16 @@ def _prefix_prompts() -> list[list[int]]:
 PREFIX_PROMPTS = _prefix_prompts()
 PREFIX_FILL, PREFIX_SHARED, PREFIX_REPEAT, PREFIX_CHUNKED, PREFIX_OTHER = range(5)
 # Three prompts of one shared block and 2040 tokens of their own: together
-# with 12 new tokens each they need a third block during decode, which a
-# cache of five blocks cannot give all three (preemption).
+# with 12 new tokens each they need a third block during decode. Nine
+# blocks of the pool (a third of them go to the KDA state groups: vLLM
+# counts 7,372 token slots in six) admit all three but cannot grow them all
+# (preemption).
 PREEMPT_PROMPTS = [
     prompts((PACKED_BLOCK_TOKENS,), seed=5)[0] + tail
     for tail in prompts((2040, 2040, 2040), seed=6)
 ]
 PREEMPT_MAX_MODEL_LEN = 3 * PACKED_BLOCK_TOKENS
-PREEMPT_NUM_BLOCKS = 6  # five usable: vLLM keeps block 0 as its null block
+PREEMPT_NUM_BLOCKS = 9
 
 
 @dataclass
