@@ -195,4 +195,5 @@ def test_hit_then_preemption_and_recompute(one_gpu_runs, report_agreement):
     assert len(PREEMPT_PROMPTS[0]) + MAX_TOKENS > 2 * PACKED_BLOCK_TOKENS
     agreement = compare(run, batched(run))
     report_agreement("preempted-batch-vs-alone", agreement)
-    assert_agree(agreement, num_short=len(PREEMPT_PROMPTS))
+    # Long prompts in a batch: the token check, as batched vs alone.
+    assert not agreement.problems, agreement.problems
