@@ -491,6 +491,14 @@ def raise_incomplete_indexers(states: Iterable[DSALayerLoadState]) -> None:
                 f"({CHECKPOINT_PURPOSES[sub]}): an fp8 weight needs its "
                 "weight_scale_inv and a scale needs an fp8 weight"
             )
+        if not state.seen:
+            raise ValueError(
+                f"Kimi K3.1 DSA layer '{state.label}': the checkpoint lacks "
+                "indexer tensors for this layer (it has none of "
+                f"{state.missing()}): these tensors belong to a plain Kimi K3 "
+                "checkpoint; remove dsa_config from its config.json to serve it "
+                "as Kimi K3, or load the Kimi K3.1 weights"
+            )
         missing = state.missing_described()
         if missing:
             raise ValueError(

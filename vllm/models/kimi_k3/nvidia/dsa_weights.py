@@ -44,6 +44,11 @@ from collections.abc import Callable, Iterable, Iterator
 
 from torch import nn
 
+from vllm.models.kimi_k3.nvidia.dsa_checkpoint_audit import (
+    AttentionCheckpointAudit,
+    full_attention_layers,
+    raise_missing_attention_tensors,
+)
 from vllm.models.kimi_k3.nvidia.dsa_model import (
     CHECKPOINT_INDEXER,
     dsa_attention_layers,
@@ -90,6 +95,14 @@ def _weights_with_router(
         yield item
 
 
+def _checked(
+    weights: Iterable[WeightItem], check: Callable[[str], None]
+) -> Iterator[WeightItem]:
+    for item in weights:
+        check(item[0])
+        yield item
+
+
 def _load_with_router(
     module: nn.Module,
     weights: Iterable[WeightItem],
@@ -101,6 +114,8 @@ def _load_with_router(
     """``original`` over ``weights``, the DSA tensors of ``layers`` loaded by
     a :class:`DSAWeightRouter` on the way (none: ``original`` alone)."""
     if not layers:
+        if refuse_foreign_indexer is not None:
+            weights = _checked(weights, refuse_foreign_indexer)
         return original(module, weights)
     router = DSAWeightRouter(dict(module.named_parameters()), layers)
     loaded: set[str] = set()
@@ -129,13 +144,17 @@ def _dsa_layers(
 def kimi_linear_model_dsa_layers(
     model: nn.Module,
 ) -> dict[str, tuple[str, nn.Module]]:
-    """DSA layers of a ``KimiLinearModel``: checkpoint and parameter prefixes
-    are both ``layers.{i}.self_attn.`` (``AutoWeightsLoader`` strips
-    ``model.``)."""
-    return _dsa_layers(
+    """DSA layers of a ``KimiLinearModel``."""
+    return _dsa_layers(_layer_candidates(model))
+
+
+def _layer_candidates(model: nn.Module) -> list[tuple[str, str, nn.Module | None]]:
+    # AutoWeightsLoader strips ``model.``: checkpoint and parameter prefixes
+    # are both ``layers.{i}.self_attn.``.
+    return [
         (f"layers.{idx}.self_attn.",) * 2 + (getattr(layer, "self_attn", None),)
         for idx, layer in enumerate(getattr(model, "layers", []))
-    )
+    ]
 
 
 def load_kimi_linear_model_weights(
@@ -144,16 +163,20 @@ def load_kimi_linear_model_weights(
     original: Callable[[nn.Module, Iterable[WeightItem]], set[str]],
 ) -> set[str]:
     """``KimiLinearModel.load_weights`` with the DSA names: our tensors are
-    loaded here, everything else goes through 0.33.0's loader unchanged."""
+    loaded here, everything else goes through 0.33.0's loader unchanged; the
+    full-attention layers' tensors are audited on the way
+    (:class:`AttentionCheckpointAudit`), DSA or not."""
     layers = kimi_linear_model_dsa_layers(model)
     dsa_layer_ids = {int(p.split(".")[1]) for p in layers}
     num_layers = len(getattr(model, "layers", []))
     start = getattr(model, "start_layer", 0)
     end = getattr(model, "end_layer", num_layers)
+    audit = AttentionCheckpointAudit(full_attention_layers(_layer_candidates(model)))
 
     def refuse_foreign_indexer(name: str) -> None:
         # An indexer tensor on a layer that exists here and is not DSA (a KDA
-        # layer): 0.33.0 would fail with a bare KeyError.
+        # layer, or any layer of a model without dsa_config): 0.33.0 would
+        # fail with a bare KeyError.
         if f".self_attn.{CHECKPOINT_INDEXER}." not in name:
             return
         parts = name.split(".")
@@ -162,14 +185,34 @@ def load_kimi_linear_model_weights(
         idx = int(parts[1])
         if idx in dsa_layer_ids or not start <= idx < min(end, num_layers):
             return
+        if not dsa_layer_ids:
+            raise ValueError(
+                f"Kimi K3: checkpoint tensor '{name}' is a DSA indexer tensor "
+                "(Kimi K3.1 weights), but the model config has no dsa_config: "
+                "add the checkpoint's dsa_config to its (text) config.json to "
+                "serve it as Kimi K3.1"
+            )
         raise ValueError(
             f"Kimi K3.1: unexpected indexer tensor '{name}' in the checkpoint: "
             f"layer {idx} is not a DSA layer (DSA layers: {sorted(dsa_layer_ids)})"
         )
 
-    return _load_with_router(
-        model, weights, original, layers, refuse_foreign_indexer=refuse_foreign_indexer
-    )
+    try:
+        return _load_with_router(
+            model,
+            audit.watch(weights),
+            original,
+            layers,
+            refuse_foreign_indexer=refuse_foreign_indexer,
+        )
+    except KeyError as exc:
+        # vLLM's loader looks every name up in the model's parameters.
+        raise ValueError(
+            f"Kimi K3: checkpoint tensor '{audit.last_name}' has no parameter in "
+            f"this model (vLLM's loader found no {exc}); the model has decoder "
+            f"layers 0 to {num_layers - 1} (MTP layers load into the draft): "
+            "check the tensor's name and the config's num_hidden_layers"
+        ) from exc
 
 
 def kimi_k3_mtp_dsa_layers(mtp: nn.Module) -> dict[str, tuple[str, nn.Module]]:
@@ -214,11 +257,13 @@ def load_kimi_k3_mtp_weights(
 
 def pack_dsa_projections(model: nn.Module) -> int:
     """Stands for the top-level ``process_weights_after_loading``: check that
-    every DSA layer that was loaded got its whole indexer
-    (:func:`check_dsa_indexers_complete`), then let every DSA layer pack its
-    projections for the fused forward. A layer may decline (it then keeps the
-    wrapper forward); a rerun after a weight reload is a no-op per layer.
+    every full-attention layer that was loaded got each MLA tensor and every
+    DSA layer its whole indexer (:func:`check_dsa_indexers_complete`), then
+    let every DSA layer pack its projections for the fused forward. A layer
+    may decline (it then keeps the wrapper forward); a rerun after a weight
+    reload is a no-op per layer.
     Returns the number of DSA layers visited."""
+    raise_missing_attention_tensors(model)
     check_dsa_indexers_complete(model)
     layers = dsa_attention_layers(model)
     for _, attn in layers:
