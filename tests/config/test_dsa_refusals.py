@@ -299,6 +299,7 @@ def test_good_env_switch_values_accepted(
 _ABSENT = object()
 
 
+@pytest.mark.parametrize("dsa", [True, False], ids=["k3.1", "plain-k3"])
 @pytest.mark.parametrize(
     ("layers", "shown"),
     [(0, 0), (_ABSENT, 0), (None, None)],
@@ -306,18 +307,18 @@ _ABSENT = object()
 )
 @pytest.mark.parametrize("method", ["mtp", "kimi_k3_mtp"])
 def test_mtp_draft_without_mtp_layers_refused(
-    tmp_path, engine_config, layers, shown, method
+    tmp_path, engine_config, layers, shown, method, dsa
 ):
     """vLLM 0.33.0 divides num_speculative_tokens by the draft's
     num_nextn_predict_layers (ZeroDivisionError at 0, also the default when
     the key is absent) and, at null, builds an MTP draft with no layer:
-    refused before either."""
-    text = tiny_text_config()
+    refused before either, for Kimi K3.1 and plain Kimi K3 alike."""
+    text = tiny_text_config(dsa=dsa)
     if layers is _ABSENT:
         del text["num_nextn_predict_layers"]
     else:
         text["num_nextn_predict_layers"] = layers
-    config = {**tiny_multimodal_config(), "text_config": text}
+    config = {**tiny_multimodal_config(dsa=dsa), "text_config": text}
     path = multimodal_checkpoint(tmp_path / "mm", config)
     with pytest.raises(ValueError) as err:
         engine_config(
@@ -337,3 +338,51 @@ def test_mtp_draft_with_mtp_layers_accepted(tmp_path, engine_config):
         path, speculative_config={"method": "mtp", "num_speculative_tokens": 1}
     )
     assert config.speculative_config.num_speculative_tokens == 1
+
+
+@pytest.mark.parametrize("dsa", [True, False], ids=["k3.1", "plain-k3"])
+@pytest.mark.parametrize("method", ["mtp", "kimi_k3_mtp"])
+def test_mtp_draft_of_a_text_only_checkpoint_refused(
+    tiny_checkpoint, engine_config, method, dsa
+):
+    """The text-only architecture has no MTP draft in vLLM 0.33.0, which
+    would stop on "Unsupported speculative method": refused by name."""
+    path = tiny_checkpoint(dsa=dsa)
+    with pytest.raises(ValueError) as err:
+        engine_config(
+            path, speculative_config={"method": method, "num_speculative_tokens": 1}
+        )
+    message = one_line(err)
+    assert "the draft resolves to ['KimiLinearForCausalLM']" in message
+    assert "needs the multimodal KimiK3ForConditionalGeneration checkpoint" in message
+    engine_config(path)  # without a draft it serves
+
+
+@pytest.mark.parametrize(
+    ("knob", "owner"),
+    [
+        ("indexer_sparse_logits", "DeepSeek V4.1's two-level indexer"),
+        ("minimax_m3_indexer_cp", "MiniMax M3's context-parallel indexer"),
+    ],
+)
+def test_attention_knobs_of_other_models_refused(
+    tiny_checkpoint, engine_config, knob, owner
+):
+    path = tiny_checkpoint()
+    with pytest.raises(ValueError) as err:
+        engine_config(path, attention_config={knob: True})
+    assert one_line(err) == (
+        f"attention_config.{knob} is set, but it is {owner} and does not apply "
+        "to Kimi K3.1; the sparse-attention knobs Kimi K3.1 reads: "
+        "indexer_kv_dtype, indexer_tp_shard_min_rows, sparse_mla_force_mqa, "
+        "sparse_mla_prefill_workspace_factor"
+    )
+    # Kimi K3.1's own knobs, and the foreign ones left at their defaults, pass.
+    engine_config(
+        path,
+        attention_config={
+            "indexer_tp_shard_min_rows": 1024,
+            "sparse_mla_force_mqa": True,
+            knob: False,
+        },
+    )

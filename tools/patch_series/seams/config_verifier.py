@@ -34,8 +34,15 @@ EDITS = (
         "\n"
         "\n"
         "class KimiLinearForCausalLMConfig(VerifyAndUpdateConfig):\n"
-        '    """Kimi-Linear and the text-only Kimi K3(.1): the DSA rules and the\n'
-        '    Triton KDA decode\'s batch limit only."""\n'
+        '    """Kimi-Linear and the text-only Kimi K3(.1): the DSA rules, the\n'
+        "    Triton KDA decode's batch limit, and no speculative draft built from\n"
+        '    a text-only checkpoint."""\n'
+        "\n"
+        "    @staticmethod\n"
+        '    def verify_and_update_model_config(model_config: "ModelConfig") -> None:\n'
+        "        from <<refuse_text_only_draft>> import refuse_text_only_draft\n"
+        "\n"
+        "        refuse_text_only_draft(model_config)\n"
         "\n"
         "    @staticmethod\n"
         '    def verify_and_update_config(vllm_config: "VllmConfig") -> None:\n'
@@ -47,7 +54,7 @@ EDITS = (
         "\n"
         "\n"
         "class KimiK3MTPModelConfig(KimiK3ForConditionalGenerationConfig):\n"
-        '    """The Kimi K3 MTP draft: refuses a Kimi K3.1 checkpoint without MTP\n'
+        '    """The Kimi K3 MTP draft: refuses a Kimi K3(.1) checkpoint without MTP\n'
         "    layers when the draft's model config is built, before\n"
         '    SpeculativeConfig divides by their count."""\n'
         "\n"
@@ -56,9 +63,9 @@ EDITS = (
         "        KimiK3ForConditionalGenerationConfig.verify_and_update_model_config(\n"
         "            model_config\n"
         "        )\n"
-        "        from <<verify_dsa_mtp_draft>> import verify_dsa_mtp_draft\n"
+        "        from <<verify_mtp_draft>> import verify_mtp_draft\n"
         "\n"
-        "        verify_dsa_mtp_draft(model_config)\n",
+        "        verify_mtp_draft(model_config)\n",
     ),
     Edit(
         _CONFIG,

@@ -14,9 +14,11 @@ belongs in the verifier, never in the model. Any Kimi K3 model (DSA or not) is
 refused there too when its KDA layers would decode with vLLM 0.33.0's Triton
 KDA decode at a ``max_num_seqs`` beyond that kernel's launch grid.
 
-The MTP draft's model config is verified too, as it is built: a Kimi K3.1
-checkpoint without MTP layers is refused there, before vLLM's
-``SpeculativeConfig`` divides by the draft's layer count.
+The MTP draft's model config is verified too, as it is built: a Kimi K3 or
+K3.1 checkpoint without MTP layers is refused there, before vLLM's
+``SpeculativeConfig`` divides by the draft's layer count, and a draft built
+from a text-only (``KimiLinearForCausalLM``) checkpoint, which vLLM cannot
+draft with, is refused by name.
 
 In-tree edit: a ``verify_and_update_config`` on
 ``KimiK3ForConditionalGenerationConfig`` calling
@@ -24,8 +26,9 @@ In-tree edit: a ``verify_and_update_config`` on
 :func:`~vllm.models.kimi_k3.nvidia.kda_decode_grid.check_kda_decode_grid`, and
 the same hook registered for ``KimiLinearForCausalLM``; its
 ``verify_and_update_model_config`` also calls
-:func:`~vllm.models.kimi_k3.common.dsa_verify.verify_dsa_mtp_draft` for the
-``KimiK3MTPModel`` draft.
+:func:`~vllm.models.kimi_k3.common.dsa_verify.verify_mtp_draft` for the
+``KimiK3MTPModel`` draft, and the Kimi-Linear entry's calls
+:func:`~vllm.models.kimi_k3.common.dsa_verify.refuse_text_only_draft`.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ from vllm.model_executor.models.config import (
     VerifyAndUpdateConfig,
 )
 from vllm.models.kimi_k3.common.dsa_verify import (
-    verify_dsa_mtp_draft,
+    refuse_text_only_draft,
     verify_dsa_vllm_config,
+    verify_mtp_draft,
 )
 from vllm.models.kimi_k3.nvidia.kda_decode_grid import check_kda_decode_grid
 
@@ -57,20 +61,25 @@ class KimiK3DSAVerifier(KimiK3ForConditionalGenerationConfig):
 
 
 class KimiK3MTPDSAVerifier(KimiK3DSAVerifier):
-    """The Kimi K3 verifier of the MTP draft: refuses a DSA checkpoint with
-    no MTP layer when the draft's model config is built."""
+    """The Kimi K3 verifier of the MTP draft: refuses a checkpoint with no
+    MTP layer when the draft's model config is built."""
 
     @staticmethod
     def verify_and_update_model_config(model_config: ModelConfig) -> None:
         KimiK3ForConditionalGenerationConfig.verify_and_update_model_config(
             model_config
         )
-        verify_dsa_mtp_draft(model_config)
+        verify_mtp_draft(model_config)
 
 
 class KimiLinearDSAVerifier(VerifyAndUpdateConfig):
-    """Kimi-Linear had no verifier: only the DSA rules and the Triton KDA
-    decode's batch limit (Kimi K3's KDA layer), nothing else."""
+    """Kimi-Linear had no verifier: the DSA rules, the Triton KDA decode's
+    batch limit (Kimi K3's KDA layer), and no speculative draft built from a
+    text-only checkpoint."""
+
+    @staticmethod
+    def verify_and_update_model_config(model_config: ModelConfig) -> None:
+        refuse_text_only_draft(model_config)
 
     @staticmethod
     def verify_and_update_config(vllm_config: VllmConfig) -> None:

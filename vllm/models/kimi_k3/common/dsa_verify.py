@@ -329,6 +329,32 @@ def check_dsa_parallelism(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
         )
 
 
+# attention_config knobs of other sparse models, refused for Kimi K3.1 when
+# set (a knob left at its default does nothing), -> whose they are.
+FOREIGN_ATTENTION_KNOBS: dict[str, str] = {
+    "indexer_sparse_logits": "DeepSeek V4.1's two-level indexer",
+    "minimax_m3_indexer_cp": "MiniMax M3's context-parallel indexer",
+}
+# The sparse-attention knobs Kimi K3.1 reads.
+DSA_ATTENTION_KNOBS = (
+    "indexer_kv_dtype",
+    "indexer_tp_shard_min_rows",
+    "sparse_mla_force_mqa",
+    "sparse_mla_prefill_workspace_factor",
+)
+
+
+def check_attention_knobs(attention_config: Any) -> None:
+    """Refuse a knob of another sparse model, which Kimi K3.1 would ignore."""
+    for knob, owner in FOREIGN_ATTENTION_KNOBS.items():
+        if getattr(attention_config, knob, False):
+            raise ValueError(
+                f"attention_config.{knob} is set, but it is {owner} and does not "
+                "apply to Kimi K3.1; the sparse-attention knobs Kimi K3.1 reads: "
+                f"{', '.join(DSA_ATTENTION_KNOBS)}"
+            )
+
+
 def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
     """Refuse what cannot be served and force the cache format, for a Kimi
     K3.1 model; a no-op for any other model.
@@ -356,6 +382,7 @@ def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
         max_model_len=model_config.max_model_len,
         tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
     )
+    check_attention_knobs(vllm_config.attention_config)
     check_indexer_kv_dtype(vllm_config, dsa)
     check_dsa_parallelism(vllm_config, dsa)
     check_mla_kernel_pages(vllm_config)
@@ -372,8 +399,9 @@ def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
         cache_config.cache_dtype = resolved
 
 
-def verify_dsa_mtp_draft(model_config: ModelConfig) -> None:
-    """Refuse an MTP draft of a Kimi K3.1 checkpoint that has no MTP layer.
+def verify_mtp_draft(model_config: ModelConfig) -> None:
+    """Refuse a Kimi K3 MTP draft of a checkpoint that has no MTP layer
+    (Kimi K3.1 or plain Kimi K3).
 
     Runs when the draft's model config is built (its model verifier), before
     vLLM 0.33.0's ``SpeculativeConfig`` divides ``num_speculative_tokens`` by
@@ -381,8 +409,6 @@ def verify_dsa_mtp_draft(model_config: ModelConfig) -> None:
     default when the key is absent) or builds a draft with no layer (null).
     """
     text_config = getattr(model_config, "hf_text_config", None)
-    if not is_dsa_model(text_config):
-        return
     layers = getattr(text_config, "num_nextn_predict_layers", None)
     if type(layers) is not int or layers < 1:
         raise ValueError(
@@ -391,3 +417,19 @@ def verify_dsa_mtp_draft(model_config: ModelConfig) -> None:
             "checkpoint has no MTP layer to draft with. Serve it without "
             "--speculative-config, or use a checkpoint with MTP layers"
         )
+
+
+def refuse_text_only_draft(model_config: ModelConfig) -> None:
+    """Refuse a speculative draft built from a text-only Kimi K3 checkpoint
+    (``KimiLinearForCausalLM``): vLLM 0.33.0 drafts Kimi K3 only with the
+    MTP layers of the ``KimiK3ForConditionalGeneration`` checkpoint, and
+    would otherwise stop on "Unsupported speculative method"."""
+    if getattr(model_config, "spec_target_max_model_len", None) is None:
+        return  # the target model, not a draft
+    raise ValueError(
+        f"speculative_config: the draft resolves to {model_config.architectures} "
+        "(a text-only Kimi K3 checkpoint), which has no speculative draft in "
+        "vLLM 0.33.0. Method 'kimi_k3_mtp' (or 'mtp') needs the multimodal "
+        "KimiK3ForConditionalGeneration checkpoint, whose MTP layers it loads; "
+        "serve this checkpoint without --speculative-config"
+    )
