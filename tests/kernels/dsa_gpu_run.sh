@@ -10,10 +10,11 @@
 # timing); without "build", a vllm/_kimi_k3_C*.so already in the checkout is
 # used. KIMI_K3_DEVICE_DIR names vLLM's DeepGEMM and FlashMLA for the consumer
 # tests (default .device/, see tools/extract_vllm_consumers.sh).
+# KIMI_K3_DSA_PYTHONPATH replaces the checkout as the path (the in-tree form).
 set -uo pipefail
 out=$(realpath -m "${OUT:-dsa-gpu-logs}")
 mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+export PYTHONPATH=${KIMI_K3_DSA_PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 steps=" ${KIMI_K3_DSA_KERNEL_STEPS:-build tests bad sanitizer timing} "
 py=${PYTHON:-python3}

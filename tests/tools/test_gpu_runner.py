@@ -173,3 +173,99 @@ def test_a_poll_keeps_large_files_that_compress_and_names_what_it_leaves_out(
     assert f"left out gpu/bench/noise.bin ({3 << 20} B)" in polled.stdout
     assert f"left out gpu/bench/huge.log ({7 << 20} B)" in polled.stdout
     assert (out / "gpu-results.tar.gz").stat().st_size <= 2 << 20
+
+
+def _run_module():
+    sys.path.insert(0, str(RUNNER.parent))
+    try:
+        import run
+    finally:
+        sys.path.remove(str(RUNNER.parent))
+    return run
+
+
+def _write_dist(site: Path, name: str, files: dict[str, str]) -> None:
+    dist = site / f"{name}.dist-info"
+    dist.mkdir(parents=True)
+    for rel, text in files.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text(text)
+    record = [f"{rel},sha256=x,1" for rel in files] + [f"{dist.name}/RECORD,,"]
+    (dist / "RECORD").write_text("\n".join(record) + "\n")
+
+
+def _staged_site(tmp_path: Path) -> tuple[Path, Path]:
+    """A staged install (vLLM's files, the overlay unzipped over them) and a
+    GPU kit that edits one vLLM file and adds one model file."""
+    site, kit = tmp_path / "site", tmp_path / "kit"
+    _write_dist(
+        site,
+        "vllm-0.33.0",
+        {"vllm/__init__.py": "", "vllm/transformers_utils/config.py": "upstream\n"},
+    )
+    _write_dist(
+        site,
+        "vllm_kimi_k3_dsa-0.1.0",
+        {
+            "vllm/plugins/kimi_k3_dsa/__init__.py": "plugin\n",
+            "vllm/models/kimi_k3/nvidia/dsa.py": "overlay\n",
+            "kimi_k3_dsa_tools/cli.py": "tool\n",
+        },
+    )
+    files = ["vllm/models/kimi_k3/nvidia/dsa.py", "vllm/transformers_utils/config.py"]
+    for rel in files:
+        (kit / rel).parent.mkdir(parents=True, exist_ok=True)
+        (kit / rel).write_text(f"series {rel}\n")
+    (kit / "manifest.json").write_text(json.dumps({"files": files}))
+    return site, kit
+
+
+def test_the_in_tree_site_is_vllm_less_the_overlay_plus_the_series(tmp_path):
+    run = _run_module()
+    site, kit = _staged_site(tmp_path)
+    dest = tmp_path / "site-intree"
+    files = run.lay_out_in_tree_site(site, dest, kit)
+    assert files == json.loads((kit / "manifest.json").read_text())["files"]
+    for rel in files:
+        assert (dest / rel).read_text() == f"series {rel}\n"
+    # The overlay is gone, its plugin and dist-info with it ...
+    assert not (dest / "vllm/plugins/kimi_k3_dsa/__init__.py").exists()
+    assert not (dest / "kimi_k3_dsa_tools/cli.py").exists()
+    assert not list(dest.glob("vllm_kimi_k3_dsa-*.dist-info"))
+    assert (dest / "vllm-0.33.0.dist-info/RECORD").exists()
+    # ... and the staged install is untouched (hard links not written through).
+    assert (site / "vllm/transformers_utils/config.py").read_text() == "upstream\n"
+    assert (site / "vllm/plugins/kimi_k3_dsa/__init__.py").exists()
+
+
+def test_an_overlay_that_replaced_vllms_files_is_refused(tmp_path):
+    run = _run_module()
+    site, kit = _staged_site(tmp_path)
+    record = site / "vllm_kimi_k3_dsa-0.1.0.dist-info" / "RECORD"
+    record.write_text(record.read_text() + "vllm/__init__.py,sha256=y,1\n")
+    with pytest.raises(SystemExit, match="replaced vLLM's own files"):
+        run.lay_out_in_tree_site(site, tmp_path / "dest", kit)
+    with pytest.raises(SystemExit, match="in_tree.py gpu-kit"):
+        run.lay_out_in_tree_site(site, tmp_path / "dest", tmp_path / "no-kit")
+
+
+def test_the_in_tree_suites_see_no_overlay():
+    """Their path holds the in-tree site, never the overlay's; pytest refuses
+    a run that is not in-tree."""
+    run = _run_module()
+    for name in ("e2e-in-tree", "kernels-in-tree", "smoke-in-tree"):
+        suite = run.SUITES[name]
+        paths = [
+            p
+            for value in (
+                suite.env["PYTHONPATH"],
+                suite.env.get("KIMI_K3_DSA_PYTHONPATH", ""),
+            )
+            for p in value.split(":")
+            if p
+        ]
+        assert str(run.SITE_IN_TREE) in paths, name
+        assert str(run.SITE) not in paths, name
+        assert suite.env["KIMI_K3_DSA_IN_TREE"] == str(run.SITE_IN_TREE / "vllm")
+    for name in ("e2e-in-tree", "kernels-in-tree"):
+        assert "patch_series.in_tree_pytest" in run.SUITES[name].env["PYTEST_ADDOPTS"]

@@ -8,6 +8,7 @@ vLLM's source need the extracted v0.33.0 sdist (``KIMI_K3_DSA_VLLM_SRC`` or
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -225,3 +226,35 @@ def test_in_tree_copy_of_a_symlinked_tree_is_a_folder_of_its_own(
     _replace(patched, copy / "setup.py")
     assert (copy / "setup.py").read_text() == "patched\n"
     assert (shared / "setup.py").read_text() == "upstream\n"
+
+
+def test_gpu_kit_holds_the_series_files_and_the_cut_cmake_source(
+    tmp_path: Path,
+) -> None:
+    """What the GPU host builds the in-tree form from: every file the series
+    adds or changes under vllm/, as patched, and the CMake target's source."""
+    import tarfile
+
+    from patch_series.generate import write_series
+    from patch_series.in_tree import apply_series, write_gpu_kit
+
+    src = _vllm_src()
+    patches = write_series(ROOT, src, tmp_path / "patches", tmp_path / "git")
+    applied = tmp_path / "applied"
+    changed = apply_series(patches, src, applied)
+    # The sdist's own files stand for the wheel's here (the check is the same).
+    kit = write_gpu_kit(src / "vllm", applied, changed, src, patches, tmp_path / "kit")
+    manifest = json.loads((kit / "manifest.json").read_text())
+    assert manifest["files"] == sorted(p for p in changed if p.startswith("vllm/"))
+    assert "vllm/transformers_utils/config.py" in manifest["files"]
+    assert "vllm/models/kimi_k3/nvidia/dsa.py" in manifest["files"]
+    for rel in manifest["files"]:
+        assert (kit / rel).read_bytes() == (applied / rel).read_bytes(), rel
+    with tarfile.open(kit / "cmake_source.tar.gz") as tar:
+        names = set(tar.getnames())
+        cmakelists = tar.extractfile("CMakeLists.txt").read().decode()
+    assert {"cmake/kimi_k3_dsa.cmake", "csrc/kimi_k3/dsa/fused_prologue.cu"} <= names
+    assert "FetchContent_Declare" not in cmakelists
+    assert cmakelists.rstrip().endswith(
+        "include(${CMAKE_CURRENT_LIST_DIR}/cmake/kimi_k3_dsa.cmake)"
+    )

@@ -74,6 +74,28 @@ CUTE_ENV = {
     ),
 }
 
+# The series' in-tree form on the host (docs/gpu_runbook.md, "Both forms"):
+# the staged vLLM 0.33.0 without the overlay, the series' files laid over it,
+# its _kimi_k3_C built by the series' CMake target.
+IN_TREE_KIT = ROOT / "build" / "patch_series" / "gpu_kit"
+SITE_IN_TREE = HOST_TMP / "site-intree"
+CMAKE_WORK = HOST_TMP / "kimi-k3-cmake"
+OVERLAY_DIST = "vllm_kimi_k3_dsa"
+IN_TREE_ENV = {
+    **CUTE_ENV,
+    "PYTHONPATH": ":".join(
+        [
+            str(SITE_CUTE / "nvidia_cutlass_dsl" / "dsl_packages"),
+            str(SITE_IN_TREE),
+            str(SITE_CUTE),
+            str(ROOT / "tools"),
+        ]
+    ),
+    # tools/patch_series/in_tree_pytest.py refuses a run that is not in-tree.
+    "PYTEST_ADDOPTS": "-p patch_series.in_tree_pytest",
+    "KIMI_K3_DSA_IN_TREE": str(SITE_IN_TREE / "vllm"),
+}
+
 
 @dataclass(frozen=True)
 class Suite:
@@ -93,6 +115,45 @@ SUITES: dict[str, Suite] = {
         1200,
         "the one-GPU serving suite (vllm.LLM and vllm serve), the CuTe DSL "
         "staged as a vLLM install has it",
+    ),
+    "in-tree-build": Suite(
+        "python3 tools/gpu/run.py install-in-tree >$LOGS/install.log 2>&1; "
+        "rc=$?; tail -n 40 $LOGS/install.log; exit $rc",
+        VLLM_ENV,
+        900,
+        "the series' in-tree form: the staged vLLM 0.33.0 less the overlay, "
+        "the series' files laid over it, _kimi_k3_C from the series' CMake "
+        "target (sm_90a, SM10x), checked to load without the plugin",
+    ),
+    "e2e-in-tree": Suite(
+        "OUT=$LOGS bash tests/e2e/e2e_gpu_run.sh",
+        IN_TREE_ENV,
+        1200,
+        "the e2e suite against the in-tree form (after in-tree-build)",
+    ),
+    "kernels-in-tree": Suite(
+        'OUT=$LOGS KIMI_K3_DSA_KERNEL_STEPS="tests bad sanitizer" '
+        "bash tests/kernels/dsa_gpu_run.sh",
+        {
+            **IN_TREE_ENV,
+            **KERNEL_ENV,
+            "KIMI_K3_DSA_PYTHONPATH": f"{IN_TREE_ENV['PYTHONPATH']}:{ROOT}",
+        },
+        900,
+        "the kernel suite against the in-tree form: its ops modules and the "
+        "CMake target's _kimi_k3_C (after in-tree-build)",
+    ),
+    "smoke": Suite(
+        "OUT=$LOGS SMOKE_PORT=8011 bash tools/gpu/readme_smoke.sh",
+        CUTE_ENV,
+        600,
+        "the README's smoke test: tiny checkpoint, vllm serve, one completion",
+    ),
+    "smoke-in-tree": Suite(
+        "OUT=$LOGS SMOKE_PORT=8012 bash tools/gpu/readme_smoke.sh",
+        {**IN_TREE_ENV, "PYTEST_ADDOPTS": ""},
+        600,
+        "the README's smoke test against the in-tree form",
     ),
     "kernels": Suite(
         'OUT=$LOGS KIMI_K3_DSA_KERNEL_STEPS="tests bad sanitizer" '
@@ -315,6 +376,122 @@ def install(args: argparse.Namespace) -> int:
     return 0
 
 
+# Checks, in the in-tree environment, that it is the series without the
+# overlay: vLLM from the in-tree site, no plugin, the series' config edit.
+IN_TREE_CHECK = """
+import importlib.metadata as md, importlib.util, sys
+import vllm, vllm._kimi_k3_C
+from vllm.transformers_utils.config import _CONFIG_REGISTRY
+assert vllm.__file__.startswith(sys.argv[1]), vllm.__file__
+assert importlib.util.find_spec("vllm.plugins.kimi_k3_dsa") is None
+assert not [e for e in md.entry_points(group="vllm.general_plugins")
+            if e.name == "kimi_k3_dsa"]
+assert _CONFIG_REGISTRY["kimi_linear"].__name__ == "KimiLinearDSAConfig"
+print("in-tree vLLM", vllm.__version__, "from", vllm.__file__,
+      "with", vllm._kimi_k3_C.__file__)
+"""
+
+
+def _record_paths(dist_info: Path) -> list[str]:
+    """The paths a wheel installed (its RECORD's first column)."""
+    lines = (dist_info / "RECORD").read_text().splitlines()
+    return [line.rsplit(",", 2)[0] for line in lines if line.strip()]
+
+
+def lay_out_in_tree_site(site: Path, dest: Path, kit: Path) -> list[str]:
+    """``dest``: a hard-link copy of ``site`` without the overlay's files
+    (its wheel's RECORD), with the kit's series files written over it.
+    Returns those files."""
+    manifest = kit / "manifest.json"
+    if not manifest.is_file():
+        raise SystemExit(
+            f"no {manifest}: run `python tools/patch_series/in_tree.py gpu-kit` "
+            "on the CPU machine and carry build/patch_series/gpu_kit"
+        )
+    files = json.loads(manifest.read_text())["files"]
+    overlay = sorted(site.glob(f"{OVERLAY_DIST}-*.dist-info"))
+    vllm_dist = sorted(site.glob("vllm-*.dist-info"))
+    if len(overlay) != 1 or len(vllm_dist) != 1:
+        raise SystemExit(f"expected one overlay and one vLLM dist-info in {site}")
+    overlay_owned = _record_paths(overlay[0])
+    clash = sorted(set(overlay_owned) & set(_record_paths(vllm_dist[0])))
+    if clash:
+        raise SystemExit(f"the overlay replaced vLLM's own files: {clash[:5]}")
+    if dest.exists():
+        shutil.rmtree(dest)
+    subprocess.run(["cp", "-al", str(site), str(dest)], check=True)
+    for cache in list(dest.rglob("__pycache__")):
+        shutil.rmtree(cache, ignore_errors=True)
+    for rel in overlay_owned:
+        path = dest / rel
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+    shutil.rmtree(dest / overlay[0].name, ignore_errors=True)
+    for rel in files:
+        target = dest / rel
+        if target.exists():
+            target.unlink()  # never write through the hard link
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(kit / rel, target)
+    return files
+
+
+def _with_build_tools(path: str) -> str:
+    """``path`` with the folders of the cmake and ninja Python packages, where
+    those are installed but not on it."""
+    folders = []
+    for module, attr in (("cmake", "CMAKE_BIN_DIR"), ("ninja", "BIN_DIR")):
+        if shutil.which(module, path=path):
+            continue
+        with contextlib.suppress(ImportError, AttributeError):
+            folders.append(str(getattr(__import__(module), attr)))
+    return os.pathsep.join([*folders, path])
+
+
+def install_in_tree(args: argparse.Namespace) -> int:
+    """The in-tree site: the staged install without the overlay, the series'
+    Python files laid over it, and the series' CMake target built against
+    the host's torch."""
+    if not (SITE / ".installed").exists():
+        print(f"{SITE} is not installed: run `install` first", file=sys.stderr)
+        return 1
+    files = lay_out_in_tree_site(SITE, SITE_IN_TREE, args.kit)
+    print(f"{SITE_IN_TREE}: vLLM 0.33.0, overlay removed, {len(files)} series files")
+    source = CMAKE_WORK / "src"
+    if CMAKE_WORK.exists():
+        shutil.rmtree(CMAKE_WORK)
+    source.mkdir(parents=True)
+    with tarfile.open(args.kit / "cmake_source.tar.gz") as tar:
+        tar.extractall(source, filter="data")
+    env = {**os.environ, **VLLM_ENV, "PATH": _with_build_tools(os.environ["PATH"])}
+    status = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "patch_series" / "cmake_target.py"),
+            "--source",
+            str(source),
+            "--work",
+            str(CMAKE_WORK),
+            "--archs",
+            args.archs,
+            "--jobs",
+            str(os.cpu_count() or 8),
+        ],  # fmt: skip
+        cwd=ROOT,
+        env=env,
+    ).returncode
+    if status:
+        return status
+    built = sorted((CMAKE_WORK / "build").glob("_kimi_k3_C*.so"))
+    shutil.copy2(built[0], SITE_IN_TREE / "vllm" / built[0].name)
+    check = subprocess.run(
+        [sys.executable, "-c", IN_TREE_CHECK, str(SITE_IN_TREE)],
+        cwd=HOST_TMP,
+        env={**os.environ, **IN_TREE_ENV, "PYTEST_ADDOPTS": ""},
+    )
+    return check.returncode
+
+
 def _parse_extra(specs: list[str]) -> dict[str, Suite]:
     """``NAME=COMMAND`` suites given on the command line (run with vLLM's
     environment, e.g. a larger benchmark grid)."""
@@ -517,6 +694,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state", type=Path, default=DEFAULT_STATE)
     sub = parser.add_subparsers(dest="action", required=True)
     sub.add_parser("install").set_defaults(fn=install)
+    p = sub.add_parser("install-in-tree")
+    p.add_argument("--kit", type=Path, default=IN_TREE_KIT)
+    p.add_argument(
+        "--archs",
+        default="9.0;10.0",
+        help="TORCH_CUDA_ARCH_LIST for the CMake target (default: %(default)s, "
+        "as CI builds it)",
+    )
+    p.set_defaults(fn=install_in_tree)
     p = sub.add_parser("start")
     p.add_argument("suites", help=f"comma-separated, of {sorted(SUITES)}")
     p.add_argument("--then", action="append", default=[], help="a later group")

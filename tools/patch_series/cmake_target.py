@@ -6,7 +6,8 @@ tree, against the installed vLLM 0.33.0 wheel's torch.
     python tools/patch_series/cmake_target.py [--archs "9.0;10.0"]
 
 runs after ``in_tree.py run`` has applied the series to
-``build/patch_series/applied``. vLLM's full configure step cannot run here:
+``build/patch_series/applied`` (or, with ``--source``, on the GPU host from
+``in_tree.py gpu-kit``'s cut source). vLLM's full configure step cannot run here:
 it fetches CUTLASS, FlashMLA and its other third-party sources from GitHub.
 So the target is configured with vLLM's own CMake prelude, read from the
 patched ``CMakeLists.txt`` up to where those downloads begin (the project,
@@ -285,10 +286,21 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_ARCHS,
         help="TORCH_CUDA_ARCH_LIST for vLLM's prelude (default: %(default)s)",
     )
+    parser.add_argument(
+        "--source",
+        type=Path,
+        help="a source already cut to the target (in_tree.py gpu-kit's "
+        "cmake_source.tar.gz, extracted) instead of --applied",
+    )
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("MAX_JOBS", 2)))
     args = parser.parse_args(argv)
     start = time.monotonic()
-    source = stage_source(args.applied, args.work)
+    if args.source is not None:
+        source = args.source
+        if not (source / CMAKE_MODULE).is_file():
+            raise SystemExit(f"{source / CMAKE_MODULE} missing: not a cut source")
+    else:
+        source = stage_source(args.applied, args.work)
     so, chosen = build(source, args.work, args.archs, args.jobs)
     _log(f"built {so} for {chosen} in {time.monotonic() - start:.0f} s")
     check(so, chosen, kernel_sources(source))

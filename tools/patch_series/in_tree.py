@@ -6,6 +6,7 @@ repository's CPU suite run against that.
 
     python tools/patch_series/in_tree.py snapshot   # before `pip install .`
     python tools/patch_series/in_tree.py run [--fetch | --vllm-src DIR]
+    python tools/patch_series/in_tree.py gpu-kit [--fetch | --vllm-src DIR]
 
 ``snapshot`` hard-links the files of the installed vLLM wheel (its
 ``RECORD``; CI takes it before the overlay goes in) to
@@ -16,23 +17,32 @@ series adds or changes under ``vllm/`` over a copy of the snapshot, and runs
 ``pytest -m "not gpu and not overlay_only" tests`` with that copy first on
 the path and ``VLLM_PLUGINS`` listing every installed general plugin but
 ours.
+
+``gpu-kit`` writes what the GPU host needs to stand up the same form
+(``tools/gpu/run.py install-in-tree``): the series' files under ``vllm/``
+and, as ``cmake_source.tar.gz``, the patched tree's ``CMakeLists.txt`` cut to
+the series' ``_kimi_k3_C`` target (``cmake_target.py``), ``cmake/`` and
+``csrc/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from patch_series.cmake_target import target_cmakelists
 from patch_series.fetch import DEFAULT_DIR, ROOT, fetch_sdist
 from patch_series.generate import write_series
 from patch_series.series import (
@@ -42,6 +52,7 @@ from patch_series.series import (
 )
 
 PRISTINE = DEFAULT_DIR / "pristine"
+GPU_KIT = DEFAULT_DIR / "gpu_kit"
 # The general plugin this repository registers; it must not load in-tree.
 PLUGIN_ENTRY_POINT = "kimi_k3_dsa"
 
@@ -157,14 +168,11 @@ def apply_series(patches: list[Path], vllm_src: Path, tree: Path) -> set[str]:
     return changed
 
 
-def lay_over(
-    pristine: Path, tree: Path, changed: set[str], vllm_src: Path, dest: Path
-) -> Path:
-    """``dest/vllm``: the pristine package with the series' Python-side files
-    (under ``vllm/``) from the patched tree."""
-    package = dest / "vllm"
-    _fresh_copy(pristine, package)
-    for path in sorted(p for p in changed if p.startswith("vllm/")):
+def python_side(pristine: Path, changed: set[str], vllm_src: Path) -> list[str]:
+    """The series' paths under ``vllm/``, each checked to edit the wheel's
+    file as it is (the sdist's copy equals the installed one)."""
+    paths = sorted(p for p in changed if p.startswith("vllm/"))
+    for path in paths:
         original = vllm_src / path
         installed = pristine / path.removeprefix("vllm/")
         if original.is_file() and installed.read_bytes() != original.read_bytes():
@@ -172,6 +180,50 @@ def lay_over(
                 f"the installed wheel's {path} differs from the sdist's: the "
                 "patched file would not stand for an edit of this wheel"
             )
+    return paths
+
+
+def write_gpu_kit(
+    pristine: Path,
+    tree: Path,
+    changed: set[str],
+    vllm_src: Path,
+    patches: list[Path],
+    kit: Path,
+) -> Path:
+    """The series' Python files and its CMake target's sources, for the GPU
+    host (``tools/gpu/run.py install-in-tree``)."""
+    if kit.exists():
+        shutil.rmtree(kit)
+    files = python_side(pristine, changed, vllm_src)
+    for path in files:
+        _replace(tree / path, kit / path)
+    cmakelists = target_cmakelists((tree / "CMakeLists.txt").read_text())
+    staged = kit / "CMakeLists.txt"
+    staged.write_text(cmakelists)
+    with tarfile.open(kit / "cmake_source.tar.gz", "w:gz") as tar:
+        tar.add(staged, arcname="CMakeLists.txt")
+        for folder in ("cmake", "csrc"):
+            tar.add(tree / folder, arcname=folder)
+    staged.unlink()
+    manifest = {
+        "patches": [p.name for p in patches],
+        "files": files,
+        "cmake_source": "cmake_source.tar.gz",
+    }
+    (kit / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    _log(f"{kit}: {len(files)} files of the series + the CMake target's sources")
+    return kit
+
+
+def lay_over(
+    pristine: Path, tree: Path, changed: set[str], vllm_src: Path, dest: Path
+) -> Path:
+    """``dest/vllm``: the pristine package with the series' Python-side files
+    (under ``vllm/``) from the patched tree."""
+    package = dest / "vllm"
+    _fresh_copy(pristine, package)
+    for path in python_side(pristine, changed, vllm_src):
         _replace(tree / path, dest / path)
     extension = sorted(installed_vllm().glob("_kimi_k3_C*.so"))
     for so in extension:
@@ -220,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--fetch", action="store_true", help="download the sdist")
     run.add_argument("--pristine", type=Path, default=PRISTINE / "vllm")
     run.add_argument("pytest_args", nargs="*", help="extra pytest arguments")
+    kit = sub.add_parser("gpu-kit", help="generate, apply, write the GPU kit")
+    kit.add_argument("--vllm-src", type=Path, help="extracted vLLM 0.33.0 sdist")
+    kit.add_argument("--fetch", action="store_true", help="download the sdist")
+    kit.add_argument("--pristine", type=Path, default=PRISTINE / "vllm")
+    kit.add_argument("--out", type=Path, default=GPU_KIT)
     args = parser.parse_args(argv)
     if args.command == "snapshot":
         snapshot()
@@ -234,6 +291,16 @@ def main(argv: list[str] | None = None) -> int:
     patches = write_series(ROOT, vllm_src, DEFAULT_DIR / "patches", DEFAULT_DIR / "git")
     _log(f"{len(patches)} patches generated in {DEFAULT_DIR / 'patches'}")
     changed = apply_series(patches, vllm_src, DEFAULT_DIR / "applied")
+    if args.command == "gpu-kit":
+        write_gpu_kit(
+            args.pristine,
+            DEFAULT_DIR / "applied",
+            changed,
+            vllm_src,
+            patches,
+            args.out,
+        )
+        return 0
     lay_over(
         args.pristine,
         DEFAULT_DIR / "applied",

@@ -26,7 +26,14 @@ def pytest_configure(config: pytest.Config) -> None:
     if importlib.util.find_spec("vllm.plugins.kimi_k3_dsa") is not None:
         raise pytest.UsageError("vllm.plugins.kimi_k3_dsa is importable in-tree")
     plugins = envs.VLLM_PLUGINS
-    if plugins is None or "kimi_k3_dsa" in plugins:
+    if plugins is None:
+        # Unset loads every installed plugin: ours must not be installed.
+        from importlib.metadata import entry_points
+
+        installed = entry_points(group="vllm.general_plugins")
+        if any(e.name == "kimi_k3_dsa" for e in installed):
+            raise pytest.UsageError("VLLM_PLUGINS is unset and our plugin installed")
+    elif "kimi_k3_dsa" in plugins:
         raise pytest.UsageError(f"VLLM_PLUGINS={plugins!r} would load our plugin")
     from vllm.transformers_utils.config import _CONFIG_REGISTRY
 
