@@ -3,8 +3,9 @@
 # GPU host where vLLM and this package are installed, from the project root.
 # Logs and the JSON-lines report go to ${OUT:-e2e-logs}/. Extra arguments go to
 # pytest; E2E_PATHS (default tests/e2e) names the test files, run in that
-# order. KIMI_K3_DSA_STACK_DUMP_S=N makes every Python process print its
-# stacks every N seconds (tests/e2e/diagnostics), for a run that hangs.
+# order. Every Python process starts with tests/e2e/process_hooks: Triton's
+# autotuning pinned (KIMI_K3_DSA_E2E_PIN_AUTOTUNE=0 turns it off) and, with
+# KIMI_K3_DSA_STACK_DUMP_S=N, its stacks printed every N seconds.
 #   bash tests/e2e/e2e_gpu_run.sh [-k expr]
 #   E2E_PATHS="tests/e2e/test_two_gpus.py tests/e2e/test_tiny_serving.py" \
 #     bash tests/e2e/e2e_gpu_run.sh
@@ -12,9 +13,7 @@ set -uo pipefail
 out=$(realpath -m "${OUT:-e2e-logs}")
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 KIMI_K3_DSA_E2E_REPORT=$out/e2e_report.jsonl
-if [ "${KIMI_K3_DSA_STACK_DUMP_S:-0}" != 0 ]; then
-  export PYTHONPATH=$PWD/tests/e2e/diagnostics${PYTHONPATH:+:$PYTHONPATH}
-fi
+export PYTHONPATH=$PWD/tests/e2e/process_hooks${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 { date -u; nvidia-smi -L
   $py -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__)'

@@ -57,10 +57,13 @@ MTP = {
     "limit_mm_per_prompt": {"image": 0},
 }
 GRAPHS = "pc-fused-graphs"
+# The same configuration again, in a process of its own started alongside.
+TWIN = "pc-fused-graphs-twin"
 CACHE_OFF = "pc-off-fused-graphs"
 
 ENGINES: dict[str, EngineSpec] = {
     GRAPHS: EngineSpec(prompts="prefix", engine_kwargs=PREFIX),
+    TWIN: EngineSpec(prompts="prefix", engine_kwargs=PREFIX),
     "pc-fused-eager": EngineSpec(prompts="prefix", engine_kwargs={**PREFIX, **EAGER}),
     "pc-wrapper-graphs": EngineSpec(
         prompts="prefix", env=FORCE_WRAPPER, engine_kwargs=PREFIX
@@ -116,6 +119,22 @@ def test_hits_agree_with_the_cache_off_engine(one_gpu_runs, report_agreement):
     agreement = compare(hit, off)
     report_agreement("prefix-hit-vs-cache-off", agreement)
     assert_agree(agreement, num_short=len(PREFIX_PROMPTS))
+
+
+@pytest.mark.engines(GRAPHS, TWIN)
+def test_two_engines_of_one_configuration_agree_bit_for_bit(
+    one_gpu_runs, report_agreement
+):
+    """Two engine processes of one configuration, run at the same time on one
+    GPU, give the same tokens and logprobs: no kernel choice depends on
+    timing (Triton's autotuning is pinned, tests/e2e/process_hooks)."""
+    first = one_gpu_runs.run(GRAPHS)
+    twin = one_gpu_runs.run(TWIN)
+    report_agreement("one-configuration-two-engines", compare(first, twin))
+    assert [c.tokens for c in twin.completions] == [c.tokens for c in first.completions]
+    assert [c.logprobs for c in twin.completions] == [
+        c.logprobs for c in first.completions
+    ]
 
 
 @pytest.mark.parametrize(

@@ -232,6 +232,9 @@ def test_the_in_tree_site_is_vllm_less_the_overlay_plus_the_series(tmp_path):
     assert not (dest / "vllm/plugins/kimi_k3_dsa/__init__.py").exists()
     assert not (dest / "kimi_k3_dsa_tools/cli.py").exists()
     assert not list(dest.glob("vllm_kimi_k3_dsa-*.dist-info"))
+    # No emptied folder is left to import as a namespace package.
+    assert not (dest / "vllm/plugins").exists()
+    assert not (dest / "kimi_k3_dsa_tools").exists()
     assert (dest / "vllm-0.33.0.dist-info/RECORD").exists()
     # ... and the staged install is untouched (hard links not written through).
     assert (site / "vllm/transformers_utils/config.py").read_text() == "upstream\n"

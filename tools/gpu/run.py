@@ -427,6 +427,10 @@ def lay_out_in_tree_site(site: Path, dest: Path, kit: Path) -> list[str]:
         if path.is_file() or path.is_symlink():
             path.unlink()
     shutil.rmtree(dest / overlay[0].name, ignore_errors=True)
+    # An emptied package folder would still import (a namespace package).
+    for folder in sorted(dest.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
     for rel in files:
         target = dest / rel
         if target.exists():
@@ -456,6 +460,11 @@ def install_in_tree(args: argparse.Namespace) -> int:
         print(f"{SITE} is not installed: run `install` first", file=sys.stderr)
         return 1
     files = lay_out_in_tree_site(SITE, SITE_IN_TREE, args.kit)
+    # `install` builds the overlay's wheel in the checkout, which leaves its
+    # egg-info there: on the path of anything run from the checkout, its
+    # entry point would make vLLM load the (absent) plugin.
+    for egg_info in ROOT.glob("*.egg-info"):
+        shutil.rmtree(egg_info)
     print(f"{SITE_IN_TREE}: vLLM 0.33.0, overlay removed, {len(files)} series files")
     source = CMAKE_WORK / "src"
     if CMAKE_WORK.exists():
@@ -486,7 +495,7 @@ def install_in_tree(args: argparse.Namespace) -> int:
     shutil.copy2(built[0], SITE_IN_TREE / "vllm" / built[0].name)
     check = subprocess.run(
         [sys.executable, "-c", IN_TREE_CHECK, str(SITE_IN_TREE)],
-        cwd=HOST_TMP,
+        cwd=ROOT,  # where the suites run: the checkout is on their path
         env={**os.environ, **IN_TREE_ENV, "PYTEST_ADDOPTS": ""},
     )
     return check.returncode
