@@ -258,3 +258,23 @@ def test_gpu_kit_holds_the_series_files_and_the_cut_cmake_source(
     assert cmakelists.rstrip().endswith(
         "include(${CMAKE_CURRENT_LIST_DIR}/cmake/kimi_k3_dsa.cmake)"
     )
+
+
+def test_the_ops_the_entry_points_call_are_found_and_checked(tmp_path: Path) -> None:
+    """The CMake target's .so must register every op the ops layer calls:
+    the calls are read from the sources, and one the build lacks is named."""
+    from patch_series.cmake_target import EXTENSION, called_ops, check_called_ops
+
+    called = called_ops()
+    assert {
+        f"{EXTENSION}::dsa_fused_prologue",
+        f"{EXTENSION}::indexer_k_norm_quant_insert",
+        f"{EXTENSION}::kernels_run_on",
+    } <= set(called)
+    check_called_ops(called, called)
+    layer = tmp_path / "dsa_ops"
+    layer.mkdir()
+    (layer / "new_kernel.py").write_text("kimi_k3_ops().new_kernel(x)\n")
+    assert called_ops(layer) == [f"{EXTENSION}::new_kernel"]
+    with pytest.raises(SystemExit, match="new_kernel"):
+        check_called_ops(called, called_ops(layer))

@@ -229,6 +229,34 @@ def registered_ops(so: Path) -> list[str]:
     return out.split()
 
 
+# The ops layer, whose entry points call the extension's ops.
+OPS_LAYER = Path(__file__).resolve().parents[2] / "vllm/models/kimi_k3/nvidia/dsa_ops"
+CALLED_OP = re.compile(
+    r"(?:kimi_k3_ops\(\)|torch\.ops\._kimi_k3_C)\.(\w+)|"
+    r"hasattr\(ops,\s*\"(\w+)\"\)"
+)
+
+
+def called_ops(ops_layer: Path = OPS_LAYER) -> list[str]:
+    """``_kimi_k3_C::name`` of every op the ops layer's entry points call
+    (``kimi_k3_ops().name``, ``torch.ops._kimi_k3_C.name``) or probe."""
+    names = {
+        a or b
+        for path in sorted(ops_layer.glob("*.py"))
+        for a, b in CALLED_OP.findall(path.read_text())
+    }
+    return sorted(f"{EXTENSION}::{name}" for name in names)
+
+
+def check_called_ops(registered: list[str], called: list[str]) -> None:
+    missing = sorted(set(called) - set(registered))
+    if missing:
+        raise SystemExit(
+            f"the ops layer calls {missing}, which the extension does not "
+            f"register (it registers {registered})"
+        )
+
+
 def overlay_extension() -> Path:
     """The ``_kimi_k3_C`` that the overlay's ``setup.py`` installed."""
     import importlib.util
@@ -268,7 +296,12 @@ def check(so: Path, chosen: str, kernel_sources: list[str]) -> None:
         raise SystemExit(
             f"the CMake target registers {ops}, the overlay's build {overlay_ops}"
         )
-    _log(f"registers the overlay build's {len(ops)} ops: {', '.join(ops)}")
+    called = called_ops()
+    check_called_ops(ops, called)
+    _log(
+        f"registers the overlay build's {len(ops)} ops, every one the ops "
+        f"layer calls among them: {', '.join(ops)}"
+    )
 
 
 def kernel_sources(source: Path) -> list[str]:
