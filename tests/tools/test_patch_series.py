@@ -278,3 +278,29 @@ def test_the_ops_the_entry_points_call_are_found_and_checked(tmp_path: Path) -> 
     assert called_ops(layer) == [f"{EXTENSION}::new_kernel"]
     with pytest.raises(SystemExit, match="new_kernel"):
         check_called_ops(called, called_ops(layer))
+
+
+@pytest.mark.parametrize(
+    "names,message",
+    [
+        (["vllm/__init__.py", "vllm/_kimi_k3_C.so"], "lacks the series'"),
+        (["vllm/__init__.py", "vllm/new.py"], "holds no vllm/_kimi_k3_C"),
+        (
+            ["vllm/new.py", "vllm/_kimi_k3_C.so", "vllm/plugins/kimi_k3_dsa/a.py"],
+            "carries the overlay's plugin",
+        ),
+    ],
+)
+def test_a_source_built_wheel_without_the_series_is_refused(
+    tmp_path: Path, names: list[str], message: str
+) -> None:
+    import zipfile
+
+    from patch_series.build_wheel import check_wheel
+
+    wheel = tmp_path / "vllm-0.33.0-cp311-cp311-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name in names:
+            archive.writestr(name, "")
+    with pytest.raises(SystemExit, match=message):
+        check_wheel(wheel, ["vllm/new.py"], tmp_path / "installed")

@@ -98,4 +98,14 @@ def kernel_edits() -> tuple[Edit, ...]:
             "    # Kimi K3.1 DSA kernels; an empty target without SM90a/SM100a.\n"
             '    ext_modules.append(CMakeExtension(name="vllm._kimi_k3_C", optional=True))\n',
         ),
+        insert_after(
+            "setup.py",
+            "for rust_extension_path in get_precompiled_rust_extension_paths():\n"
+            "    add_vllm_package_data(rust_extension_path.name)\n",
+            "# The precompiled route builds no extension: a _kimi_k3_C built by its\n"
+            "# CMake target beforehand (the vLLM wheel has none) ships as-is.\n"
+            "if USE_PRECOMPILED_EXTENSIONS:\n"
+            '    for kimi_k3_extension in (ROOT_DIR / "vllm").glob("_kimi_k3_C*.so"):\n'
+            "        add_vllm_package_data(kimi_k3_extension.name)\n",
+        ),
     )
