@@ -77,7 +77,7 @@ def _draft_bytes_per_token(
     draft_text: Mapping[str, Any], name: str, method: str, cache_dtype: str
 ) -> int:
     """What the engine's ``dense_mla_draft_bytes_per_token`` counts: the
-    draft's layers x one MLA page per token in the target's cache dtype."""
+    draft's layers x one MLA page per token in the draft's cache dtype."""
     from vllm.models.kimi_k3.common import dsa_cache
 
     layers, kv_lora_rank, rope = draft_mla_dims(draft_text, name, method)
@@ -96,10 +96,11 @@ def make_plan(
     draft_method: str | None = None,
     draft_text: Mapping[str, Any] | None = None,
     draft_config_name: str = "draft config",
+    draft_kv_cache_dtype: str = "auto",
     num_speculative_tokens: int = 0,
 ) -> KVPlan:
     """The plan for a text config checked by :func:`build_text_config`."""
-    from vllm.models.kimi_k3.common import dsa_block_size, dsa_cache
+    from vllm.models.kimi_k3.common import dsa_block_size, dsa_cache, dsa_verify
     from vllm.models.kimi_k3.common.dsa_verify import (
         check_dsa_deployment,
         indexer_kv_dtype_is_fp4,
@@ -118,11 +119,17 @@ def make_plan(
     if num_speculative_tokens < 0:
         raise PlanError("--num-speculative-tokens must be >= 0")
     if draft_method is not None:
-        if draft_method not in dsa_cache.DENSE_MLA_DRAFT_METHODS:
+        if draft_method not in dsa_verify.DENSE_MLA_DRAFT_METHODS:
             raise PlanError(
                 f"unknown draft method {draft_method!r}: the dense MLA drafts "
                 "whose pages share the DSA row are "
-                f"{', '.join(dsa_cache.DENSE_MLA_DRAFT_METHODS)}"
+                f"{', '.join(dsa_verify.DENSE_MLA_DRAFT_METHODS)}"
+            )
+        if draft_kv_cache_dtype not in dsa_verify.DENSE_DRAFT_CACHE_DTYPES:
+            raise PlanError(
+                f"--draft-kv-cache-dtype {draft_kv_cache_dtype!r}: the dense MLA "
+                "draft's backends read "
+                f"{', '.join(dsa_verify.DENSE_DRAFT_CACHE_DTYPES)}"
             )
         if draft_text is None:
             raise PlanError(
@@ -132,7 +139,7 @@ def make_plan(
     elif draft_text is not None:
         raise PlanError(
             "--draft-config needs --draft-method "
-            f"({' or '.join(dsa_cache.DENSE_MLA_DRAFT_METHODS)}): only a dense "
+            f"({' or '.join(dsa_verify.DENSE_MLA_DRAFT_METHODS)}): only a dense "
             "MLA draft's pages share the DSA row"
         )
 
@@ -179,8 +186,12 @@ def make_plan(
     draft = 0
     if draft_method is not None:
         assert draft_text is not None
+        # "auto" is the draft's weight dtype: bf16 for the Kimi K3 drafts.
+        draft_dtype = (
+            "bfloat16" if draft_kv_cache_dtype == "auto" else draft_kv_cache_dtype
+        )
         draft = _draft_bytes_per_token(
-            draft_text, draft_config_name, draft_method, cache_dtype
+            draft_text, draft_config_name, draft_method, draft_dtype
         )
     row = dsa_cache.packed_row_bytes_per_token(num_dsa, mla, index, draft)
     state = dsa_block_size.kda_state_bytes(

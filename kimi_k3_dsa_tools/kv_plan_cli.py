@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--draft-method", help="dense MLA draft: eagle3 or dspark")
     parser.add_argument("--draft-config", help="the draft's config.json or directory")
+    parser.add_argument(
+        "--draft-kv-cache-dtype",
+        default="auto",
+        help="the draft's speculative_config.kv_cache_dtype (default: auto, "
+        "as the engine sets it for a dense MLA draft)",
+    )
     parser.add_argument("--num-speculative-tokens", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             draft_method=args.draft_method,
             draft_text=draft_text,
             draft_config_name=draft_name,
+            draft_kv_cache_dtype=args.draft_kv_cache_dtype,
             num_speculative_tokens=args.num_speculative_tokens,
         )
     except (PlanError, ValueError, OSError, NotImplementedError) as e:

@@ -252,6 +252,23 @@ def checkpoint_dir_mode(existing: Path | None) -> int:
     return 0o777 & ~umask
 
 
+def save_weights(directory: Path, tensors: dict[str, Any]) -> str:
+    """Write ``tensors`` as the checkpoint's safetensors file; returns its
+    name."""
+    from safetensors.torch import save_file
+
+    path = directory / CHECKPOINT_FILE
+    save_file(
+        {name: t.contiguous() for name, t in tensors.items()},
+        str(path),
+        metadata={"format": "pt"},
+    )
+    # safetensors writes through a private temporary file: give the weights
+    # the mode config.json gets, so whoever serves can read them.
+    path.chmod(checkpoint_dir_mode(None) & 0o666)
+    return CHECKPOINT_FILE
+
+
 def write_checkpoint_files(
     directory: Path,
     *,
@@ -274,8 +291,6 @@ def write_checkpoint_files(
         config_dict = config
     names = []
     if weights:
-        from safetensors.torch import save_file
-
         if multimodal:
             tensors = tiny_checkpoint_tensors(
                 config, seed=seed, prefix="language_model."
@@ -287,16 +302,7 @@ def write_checkpoint_files(
             )
         else:
             tensors = tiny_checkpoint_tensors(config, seed=seed, prefix=prefix)
-        weights_path = directory / CHECKPOINT_FILE
-        save_file(
-            {name: t.contiguous() for name, t in tensors.items()},
-            str(weights_path),
-            metadata={"format": "pt"},
-        )
-        # safetensors writes through a private temporary file: give the
-        # weights the mode config.json gets, so whoever serves can read them.
-        weights_path.chmod(checkpoint_dir_mode(None) & 0o666)
-        names.append(CHECKPOINT_FILE)
+        names.append(save_weights(directory, tensors))
     (directory / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2) + "\n")
     names.append(CONFIG_FILE)
     return names

@@ -46,8 +46,10 @@ from kimi_k3_dsa_tools.tiny_checkpoint import (
     MAX_ATTENTION_BLOCKS,
     checkpoint_dir_mode,
     real_attention_overrides,
+    tiny_text_config,
     write_checkpoint_files,
 )
+from kimi_k3_dsa_tools.tiny_drafts import DRAFT_METHODS, write_draft_files
 
 PROG = "kimi-k3-dsa-tiny-checkpoint"
 # The tiny vocabulary holds the multimodal placeholder id (1023); the top
@@ -262,6 +264,14 @@ def _parser() -> argparse.ArgumentParser:
         help=f"vocabulary size, {MIN_VOCAB} to {MAX_VOCAB} ({MIN_VOCAB}); "
         "vllm bench latency draws prompt ids below 10000",
     )
+    parser.add_argument(
+        "--draft",
+        choices=DRAFT_METHODS,
+        default=None,
+        help="write a one-layer dense MLA speculative draft of that method for "
+        "the target the other options describe (serve it with "
+        '--speculative-config \'{"method": METHOD, "model": OUT_DIR}\')',
+    )
     parser.add_argument("--seed", type=int, default=None, help="random seed (0)")
     parser.add_argument(
         "--force",
@@ -277,6 +287,12 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.config_only and args.multimodal:
         _exit("--config-only writes the text-only config; drop --multimodal", 2)
+    if args.draft is not None and (args.config_only or args.multimodal):
+        _exit(
+            "--draft writes a whole draft checkpoint; drop --config-only and "
+            "--multimodal",
+            2,
+        )
     if args.config_only and args.seed is not None:
         _exit("--seed has no effect with --config-only (no weights)", 2)
     if args.attention_blocks is not None:
@@ -309,18 +325,25 @@ def main(argv: list[str] | None = None) -> None:
     overrides = real_attention_overrides(dsa, blocks) if args.real_attention else {}
     if args.vocab_size is not None:
         overrides["vocab_size"] = args.vocab_size
-    try:
-        aside = _write_checkpoint_dir(
-            target,
-            lambda d: write_checkpoint_files(
+    if args.draft is not None:
+        draft_target = tiny_text_config(dsa=dsa, **overrides)
+
+        def write(d: Path) -> list[str]:
+            return write_draft_files(d, args.draft, draft_target, seed)
+    else:
+
+        def write(d: Path) -> list[str]:
+            return write_checkpoint_files(
                 d,
                 dsa=dsa,
                 weights=not args.config_only,
                 seed=seed,
                 multimodal=args.multimodal,
                 overrides=overrides,
-            ),
-        )
+            )
+
+    try:
+        aside = _write_checkpoint_dir(target, write)
     except _WriteFailed as failure:
         _exit(str(failure), 1)
     except _write_errors() as error:
@@ -339,6 +362,8 @@ def main(argv: list[str] | None = None) -> None:
                 file=sys.stderr,
             )
     kind = "Kimi K3.1" if dsa else "plain Kimi K3"
+    if args.draft is not None:
+        kind = f"{args.draft} draft for a {kind}"
     if args.real_attention:
         kind += " (real attention dimensions)"
     files = "config.json" if args.config_only else f"config.json, {CHECKPOINT_FILE}"

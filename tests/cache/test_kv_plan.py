@@ -120,11 +120,31 @@ def test_plan_with_dense_draft_and_spec_tokens(capsys, tmp_path):
         "--num-speculative-tokens", "3", "--kv-budget", "80GiB",
         "--max-model-len", "262144",
     )  # fmt: skip
-    assert plan["draft_bytes_per_token"] == 656
+    # The draft's own cache dtype, auto: 512 + 64 bf16 values (its dense MLA
+    # backends read no fp8_ds_mla).
+    assert plan["draft_bytes_per_token"] == 1152
     expected = independent_plan(
-        8, 80 * GIB, draft_bytes=656, num_spec=3, max_len=262_144
+        8, 80 * GIB, draft_bytes=1152, num_spec=3, max_len=262_144
     )
     assert {k: plan[k] for k in expected} == expected
+    fp8 = run_json(
+        capsys,
+        "--draft-method", "eagle3", "--draft-config", str(draft),
+        "--draft-kv-cache-dtype", "fp8", "--kv-budget", "80GiB",
+    )  # fmt: skip
+    assert fp8["draft_bytes_per_token"] == 576
+
+
+def test_plan_refuses_a_draft_cache_dtype_no_dense_backend_reads(capsys, tmp_path):
+    from kimi_k3_dsa_tools.kv_plan_cli import main
+
+    draft = tmp_path / "draft.json"
+    draft.write_text(json.dumps({"num_hidden_layers": 1, "kv_lora_rank": 512}))
+    assert main(
+        ["--draft-method", "dspark", "--draft-config", str(draft),
+         "--draft-kv-cache-dtype", "fp8_ds_mla", "--kv-budget", "80GiB"]
+    ) == 2  # fmt: skip
+    assert "--draft-kv-cache-dtype 'fp8_ds_mla'" in capsys.readouterr().err
 
 
 def test_plan_matches_the_engine_block_size(capsys, vllm_config_for, tmp_path):

@@ -474,7 +474,7 @@ def test_good_inputs_in_every_form_plan_the_same(capsys, tmp_path):
         capsys, "--draft-method", "dspark", "--draft-config", str(draft.parent),
         "--kv-budget", "60GiB",
     )  # fmt: skip
-    assert plan["draft_bytes_per_token"] == 656
+    assert plan["draft_bytes_per_token"] == 1152  # the draft's own bf16 pages
 
 
 def test_console_script_refuses_without_traceback(tmp_path):

@@ -224,7 +224,9 @@ def test_speculative_tokens_take_the_triton_path(
     as_h200(monkeypatch)
     verify(config)
     monkeypatch.setattr(
-        config, "speculative_config", SimpleNamespace(num_speculative_tokens=1)
+        config,
+        "speculative_config",
+        SimpleNamespace(method="mtp", num_speculative_tokens=1),
     )
     assert f"accepted: at most {CUDA_MAX_GRID_Y // NATIVE_HEADS}" in refusal(config)
 

@@ -135,7 +135,9 @@ def engine_pool(
 
     specs = request.config.stash.get(ENGINE_SPECS, {})
     checkpoints = {"dsa": tiny_dsa}
-    names = {spec.checkpoint for spec in specs.values()}
+    names = {spec.checkpoint for spec in specs.values()} | {
+        spec.draft for spec in specs.values() if spec.draft is not None
+    }
     if "dense" in names:
         checkpoints["dense"] = dense_twin(tiny_dsa, e2e_dir / "tiny-k3-dense")
     if "dsa-multimodal" in names:
@@ -147,6 +149,15 @@ def engine_pool(
 
         checkpoints["dsa-multimodal"] = write_tiny_checkpoint(
             e2e_dir / "tiny-k3.1-mm", multimodal=True, **e2e_checkpoint_overrides()
+        )
+    for name in sorted(n for n in names if n.startswith("draft-")):
+        from tiny_serving import e2e_checkpoint_overrides
+
+        from kimi_k3_dsa_tools.tiny_drafts import write_tiny_draft
+
+        method = name.removeprefix("draft-")
+        checkpoints[name] = write_tiny_draft(
+            e2e_dir / f"tiny-{method}-draft", method, **e2e_checkpoint_overrides()
         )
     work = e2e_dir / "engine_runs"
     work.mkdir(exist_ok=True)

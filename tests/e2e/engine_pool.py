@@ -44,11 +44,14 @@ class EngineSpec:
     """One engine configuration of the suite.
 
     ``checkpoint`` and ``prompts`` name entries of the session's checkpoints
-    and prompt sets; ``kind`` is ``llm`` (``tiny_serving.run_llm``) or
-    ``serve`` (``tiny_serving.serve_and_complete`` on the first prompt).
+    and prompt sets; ``draft``, a checkpoint that becomes
+    ``speculative_config["model"]``; ``kind`` is ``llm``
+    (``tiny_serving.run_llm``) or ``serve`` (``tiny_serving.serve_and_complete``
+    on the first prompt).
     """
 
     checkpoint: str = "dsa"
+    draft: str | None = None
     prompts: str = "all"
     env: dict[str, str] = field(default_factory=dict)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -209,6 +212,11 @@ class EnginePool:
     def _spec_payload(self, job: _Job) -> dict[str, Any]:
         spec = job.spec
         kwargs = dict(spec.engine_kwargs)
+        if spec.draft is not None:
+            kwargs["speculative_config"] = {
+                **kwargs.get("speculative_config", {}),
+                "model": str(self.checkpoints[spec.draft]),
+            }
         if spec.kind == "llm":
             kwargs.setdefault("kv_cache_memory_bytes", KV_CACHE_BYTES)
             kwargs.setdefault("gpu_memory_utilization", GPU_MEMORY_UTILIZATION)

@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_configs import create_engine_config
+from engine_configs import create_engine_config, sm90_block_size
 from layer_builders import build
 
 safetensors = pytest.importorskip("safetensors")
@@ -332,30 +332,6 @@ def test_model_builds_and_loads_at_tp1(dsa_layer_env, checkpoint: Path) -> None:
 # -- the packed KV block: the engine's sizing and the plan command ------------
 
 
-def _engine_block_size(cfg: Any, monkeypatch: pytest.MonkeyPatch) -> int:
-    """The block size our seam gives inside ``update_block_size_for_backend``
-    (the worker's call), with an SM90 worker's backends; ``cfg`` is left as
-    it was."""
-    from vllm.config import set_current_vllm_config
-    from vllm.models.kimi_k3.common.dsa_cache import KimiK3IndexerBackend
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
-
-    backends = [FlashMLASparseBackend, KimiK3IndexerBackend]
-    monkeypatch.setattr(
-        type(current_platform), "_find_non_ssm_backends",
-        classmethod(lambda cls, vllm_config: list(backends)),
-    )  # fmt: skip
-    cache_config = cfg.cache_config
-    saved = (cache_config.block_size, cache_config.mamba_page_size_padded)
-    try:
-        with set_current_vllm_config(cfg):
-            current_platform.update_block_size_for_backend(cfg)
-        return cache_config.block_size
-    finally:
-        cache_config.block_size, cache_config.mamba_page_size_padded = saved
-
-
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_plan_equals_the_engine_sizing(
     engine_configs: dict[int, Any],
@@ -377,7 +353,7 @@ def test_plan_equals_the_engine_sizing(
     )
 
     cfg = engine_configs[tp]
-    block = _engine_block_size(cfg, monkeypatch)
+    block = sm90_block_size(cfg, monkeypatch)
     mla = target_mla_bytes_per_token(cfg)
     index = indexer_cache_entry_bytes(INDEX_DIM, kimi_k3_indexer_uses_fp4(cfg))
     state = kda_state_bytes_for(cfg)

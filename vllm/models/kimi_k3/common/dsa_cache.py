@@ -34,7 +34,10 @@ from vllm.models.kimi_k3.common import dsa_formats
 from vllm.models.kimi_k3.common.dsa_config import check_mxfp4_indexer
 from vllm.models.kimi_k3.common.dsa_envs import mla_kernel_pages_forced
 from vllm.models.kimi_k3.common.dsa_formats import MLA_KERNEL_PAGE_TOKENS
-from vllm.models.kimi_k3.common.dsa_verify import check_dsa_pcp
+from vllm.models.kimi_k3.common.dsa_verify import (
+    DENSE_MLA_DRAFT_METHODS,
+    check_dsa_pcp,
+)
 from vllm.utils.math_utils import cdiv, round_up
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.attention.backends.mla import indexer as v32_indexer
@@ -126,11 +129,6 @@ def kimi_k3_indexer_uses_fp4(vllm_config: VllmConfig) -> bool:
 _PD_REFERENCE_TP = 16
 
 
-# Dense MLA drafts whose full-attention MLA specs group with the target's
-# DSA row (their pages sit in the same block row).
-DENSE_MLA_DRAFT_METHODS = ("eagle3", "dspark")
-
-
 def mla_page_bytes_per_token(
     cache_dtype: str,
     kv_lora_rank: int,
@@ -173,8 +171,9 @@ def dense_mla_draft_bytes_per_token(vllm_config: VllmConfig) -> int:
     the full-attention MLA specs of an eagle3 / dspark draft with an MLA
     latent group with the target's. 0 without such a draft.
 
-    The draft's ``fp8_ds_mla`` page is counted at 656 B/token, as the layer
-    allocates it (0.33.0's spec would say 576 without ``state_content_bytes``).
+    The draft's cache dtype is ``speculative_config.kv_cache_dtype``
+    (``dsa_verify.configure_dense_draft`` sets it), else the target's; an
+    ``fp8_ds_mla`` page counts 656 B/token, as a layer allocates it.
     """
     spec_config = vllm_config.speculative_config
     if spec_config is None or spec_config.method not in DENSE_MLA_DRAFT_METHODS:

@@ -73,6 +73,82 @@ XPU_REASON = (
 )
 
 
+# Dense MLA drafts whose full-attention MLA specs group with the target's
+# DSA row (their pages sit in the same block row).
+DENSE_MLA_DRAFT_METHODS = ("eagle3", "dspark")
+# Speculative methods a Kimi K3.1 DSA target serves: its MTP layers, the
+# dense MLA drafts the row sizes, and drafts that keep no KV cache.
+DSA_SPECULATIVE_METHODS = (
+    "mtp",
+    "kimi_k3_mtp",
+    *DENSE_MLA_DRAFT_METHODS,
+    "ngram",
+    "ngram_gpu",
+    "suffix",
+)
+
+
+def check_speculative_draft(vllm_config: VllmConfig) -> None:
+    """Refuse a draft whose KV cache the packed DSA row does not size: a
+    method with its own cache other than MTP and the dense MLA drafts, or a
+    dense draft without an MLA latent (``kv_lora_rank``)."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return
+    if spec.method not in DSA_SPECULATIVE_METHODS:
+        raise ValueError(
+            f"speculative_config.method {spec.method!r} is not supported for "
+            "Kimi-K3.1 DSA: its draft's KV cache has no place in the packed DSA "
+            f"row. Accepted methods: {list(DSA_SPECULATIVE_METHODS)}"
+        )
+    if spec.method not in DENSE_MLA_DRAFT_METHODS:
+        return
+    draft = spec.draft_model_config
+    text = getattr(draft, "hf_text_config", None)
+    kv_lora_rank = getattr(text, "kv_lora_rank", None)
+    rope = getattr(text, "qk_rope_head_dim", None)
+    if type(kv_lora_rank) is not int or kv_lora_rank < 1 or type(rope) is not int:
+        raise ValueError(
+            f"speculative_config.model {getattr(draft, 'model', None)!r}: a "
+            f"{spec.method} draft of Kimi-K3.1 DSA must be a dense MLA draft, "
+            f"its config's kv_lora_rank a positive integer and qk_rope_head_dim "
+            f"an integer (got {kv_lora_rank!r} and {rope!r}): the packed DSA row "
+            "holds the draft's MLA latent pages"
+        )
+
+
+# What vLLM 0.33.0's dense MLA backends (FlashAttention MLA, FlashMLA, Triton
+# MLA) read; none reads the target's fp8_ds_mla.
+DENSE_DRAFT_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+
+
+def configure_dense_draft(vllm_config: VllmConfig) -> None:
+    """Give a dense MLA draft (eagle3, dspark) a cache dtype its backends
+    read: ``auto`` unless ``speculative_config.kv_cache_dtype`` names one.
+    Its full-attention MLA specs still group with the target's DSA layers in
+    the packed row, which :func:`dense_mla_draft_bytes_per_token` sizes in
+    that dtype."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method not in DENSE_MLA_DRAFT_METHODS:
+        return
+    if spec.kv_cache_dtype is None:
+        spec.kv_cache_dtype = "auto"
+        logger.info_once(
+            "Kimi-K3.1 DSA: the %s draft's MLA cache uses kv_cache_dtype 'auto' "
+            "(dense MLA backends do not read fp8_ds_mla); set "
+            "speculative_config.kv_cache_dtype for another.",
+            spec.method,
+        )
+    elif spec.kv_cache_dtype not in DENSE_DRAFT_CACHE_DTYPES:
+        raise ValueError(
+            f"speculative_config.kv_cache_dtype {spec.kv_cache_dtype!r} is not "
+            f"supported for the {spec.method} draft of Kimi-K3.1 DSA: its dense "
+            "MLA attention reads none but "
+            f"{list(DENSE_DRAFT_CACHE_DTYPES)} (fp8_ds_mla is the sparse "
+            "layers' format)"
+        )
+
+
 def check_mla_kernel_pages(vllm_config: VllmConfig) -> None:
     """Multi-step drafts recompute their slots in manager blocks (0.33.0's
     ``eagle_step_update_slot_mapping_and_metadata``), which kernel pages do
@@ -385,6 +461,8 @@ def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
     check_attention_knobs(vllm_config.attention_config)
     check_indexer_kv_dtype(vllm_config, dsa)
     check_dsa_parallelism(vllm_config, dsa)
+    check_speculative_draft(vllm_config)
+    configure_dense_draft(vllm_config)
     check_mla_kernel_pages(vllm_config)
     check_topk_buffer_budget(vllm_config, dsa)
     cache_config = vllm_config.cache_config
