@@ -25,7 +25,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -891,9 +891,14 @@ def assert_nvls_off(run: EngineRun) -> None:
 
 
 def kv_plan(
-    config: Path, tp: int, kv_budget_bytes: int, max_model_len: int
+    config: Path,
+    tp: int,
+    kv_budget_bytes: int,
+    max_model_len: int,
+    plan_args: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """``kimi-k3-dsa-kv-plan --json`` (its ``main``) for a checkpoint."""
+    """``kimi-k3-dsa-kv-plan --json`` (its ``main``) for a checkpoint;
+    ``plan_args`` adds flags (a draft, speculative tokens)."""
     import io
 
     from kimi_k3_dsa_tools.kv_plan_cli import main
@@ -902,7 +907,7 @@ def kv_plan(
     args = [
         "--config", str(config), "--tp", str(tp),
         "--kv-budget", str(kv_budget_bytes),
-        "--max-model-len", str(max_model_len), "--json",
+        "--max-model-len", str(max_model_len), "--json", *plan_args,
     ]  # fmt: skip
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = main(args)
@@ -916,6 +921,7 @@ def assert_allocation_is_the_plan(
     tp: int,
     max_model_len: int,
     report: Callable[..., None],
+    plan_args: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The KV cache ``run``'s engine allocated is what ``kimi-k3-dsa-kv-plan``
     plans for the budget vLLM planned from (the smallest worker's
@@ -935,7 +941,7 @@ def assert_allocation_is_the_plan(
         workers=kv.workers,
     )
     assert budget is not None, kv.workers
-    plan = kv_plan(config, tp, budget, max_model_len)
+    plan = kv_plan(config, tp, budget, max_model_len, plan_args)
     report("kv_plan", label=run.label, plan=plan)
     assert kv.token_block_sizes == [plan["block_size"]], (kv.workers, plan)
     assert kv.num_gpu_blocks, kv
