@@ -12,6 +12,9 @@ the whole sitting, staging included):
         vLLM 0.33.0 from the staged offline bundle (``/tmp/offline-vllm``) and
         this package into ``/tmp/site``; vLLM's own DeepGEMM and FlashMLA
         linked for the kernel tests; the extension copied into the checkout.
+    python3 tools/gpu/run.py install-in-tree
+        the series' in-tree form beside it (``/tmp/site-intree``, from
+        ``build/patch_series/gpu_kit``); the ``in-tree-build`` suite runs it.
     python3 tools/gpu/run.py start e2e,kernels,fidelity --then timing,layer-small
         starts a supervisor in its own session (it outlives the command):
         the suites of a group run at the same time, the groups one after the
