@@ -45,6 +45,7 @@ class KVPlan:
 
     config: str
     tp: int
+    dp: int
     kv_budget_bytes: int
     max_model_len: int
     num_layers: int
@@ -89,6 +90,7 @@ def make_plan(
     *,
     config_name: str = "config",
     tp: int = 8,
+    dp: int = 1,
     kv_budget_bytes: int,
     indexer_kv_dtype: str = "auto",
     kv_cache_dtype: str = "auto",
@@ -110,6 +112,8 @@ def make_plan(
     # The flags, on their own.
     if tp < 1:
         raise PlanError(f"--tp must be a positive integer, got {tp}")
+    if dp < 1:
+        raise PlanError(f"--dp must be a positive integer, got {dp}")
     try:
         cache_dtype = resolve_dsa_cache_dtype(kv_cache_dtype)
     except ValueError as e:
@@ -228,6 +232,7 @@ def make_plan(
     return KVPlan(
         config=config_name,
         tp=tp,
+        dp=dp,
         kv_budget_bytes=kv_budget_bytes,
         max_model_len=max_model_len,
         num_layers=text_config.num_hidden_layers,
@@ -274,7 +279,8 @@ def format_plan(p: KVPlan) -> str:
     lines = [
         f"Kimi K3.1 DSA KV cache plan ({p.config})",
         f"  layers {p.num_layers}: {p.num_dsa_layers} DSA + {p.num_kda_layers} KDA"
-        f" | TP {p.tp} | KV budget {_human(p.kv_budget_bytes)} per GPU"
+        + (f" | DP {p.dp} x" if p.dp > 1 else " |")
+        + f" TP {p.tp} | KV budget {_human(p.kv_budget_bytes)} per GPU"
         f" | max_model_len {p.max_model_len:,}",
         "Per token, per GPU (DSA caches are replicated across TP ranks):",
         f"  MLA {p.kv_cache_dtype:<12} {p.mla_bytes_per_token:>5} B x "
@@ -304,4 +310,10 @@ def format_plan(p: KVPlan) -> str:
         f"  full-length requests ({p.max_model_len:,} tokens, "
         f"{p.blocks_per_full_request:,} blocks each): {p.full_length_requests:,}",
     ]
+    if p.dp > 1:
+        lines.append(
+            f"Data parallel: {p.dp} engines (TP {p.tp} attention each, all "
+            "DSA heads on each of its ranks), each planned as above for its own "
+            f"requests: {p.dp * p.full_length_requests:,} full-length requests"
+        )
     return "\n".join(lines)

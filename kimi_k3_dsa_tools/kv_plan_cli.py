@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--tp", type=int, default=8, help="tensor parallel size")
     parser.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data parallel size (DP attention with --enable-expert-parallel: "
+        "the plan is per engine, --tp its attention TP, usually 1)",
+    )
+    parser.add_argument(
         "--kv-budget",
         default="40GiB",
         help="KV cache memory per GPU, e.g. 40GiB, 64GB (default: 40GiB)",
@@ -104,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             text_config,
             config_name=name,
             tp=args.tp,
+            dp=args.dp,
             kv_budget_bytes=kv_budget_bytes,
             indexer_kv_dtype=args.indexer_kv_dtype,
             kv_cache_dtype=args.kv_cache_dtype,
