@@ -43,7 +43,9 @@ TINY_DSPARK_BLOCK = 2
 TINY_DRAFT_HEADS = 16
 
 
-def _mla_dims(target: dict[str, Any]) -> dict[str, Any]:
+def _draft_base(target: dict[str, Any]) -> dict[str, Any]:
+    """What both drafts take from ``target``: its MLA latent, hidden size and
+    vocabulary; one layer of :data:`TINY_DRAFT_HEADS` heads."""
     keys = (
         "hidden_size",
         "q_lora_rank",
@@ -60,43 +62,38 @@ def _mla_dims(target: dict[str, Any]) -> dict[str, Any]:
     return {
         **{key: target[key] for key in keys},
         "num_attention_heads": TINY_DRAFT_HEADS,
+        "num_key_value_heads": TINY_DRAFT_HEADS,
+        "num_hidden_layers": 1,
+        "target_hidden_size": target["hidden_size"],
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
     }
 
 
 def tiny_draft_config(method: str, target: dict[str, Any]) -> dict[str, Any]:
     """``config.json`` of a one-layer ``method`` draft for ``target`` (a
     tiny text config)."""
-    dims = _mla_dims(target)
+    base = _draft_base(target)
     layers = TINY_DRAFT_TARGET_LAYERS
     if method == "dspark":
         return {
             "model_type": "k3_dspark",
             "architectures": ["K3DSparkModel"],
-            **dims,
-            "num_hidden_layers": 1,
-            "num_key_value_heads": dims["num_attention_heads"],
-            "target_hidden_size": dims["hidden_size"],
+            **base,
             "target_layer_ids": layers,
             "num_target_layers": len(layers),
-            "draft_vocab_size": dims["vocab_size"],
+            "draft_vocab_size": base["vocab_size"],
             "markov_rank": 32,
             "dspark_block_size": TINY_DSPARK_BLOCK,
-            "dspark_noise_token_id": dims["vocab_size"] - 1,
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
+            "dspark_noise_token_id": base["vocab_size"] - 1,
         }
     if method == "eagle3":
         return {
             "model_type": "deepseek_v2",
             "architectures": ["Eagle3DeepseekV2ForCausalLM"],
-            **dims,
-            "num_hidden_layers": 1,
-            "num_key_value_heads": dims["num_attention_heads"],
-            "target_hidden_size": dims["hidden_size"],
+            **base,
             "eagle_aux_hidden_state_layer_ids": [i + 1 for i in layers],
             "num_aux_hidden_states": len(layers),
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
         }
     raise ValueError(f"draft method {method!r}: accepted values are {DRAFT_METHODS}")
 

@@ -379,22 +379,6 @@ def install(args: argparse.Namespace) -> int:
     return 0
 
 
-# Checks, in the in-tree environment, that it is the series without the
-# overlay: vLLM from the in-tree site, no plugin, the series' config edit.
-IN_TREE_CHECK = """
-import importlib.metadata as md, importlib.util, sys
-import vllm, vllm._kimi_k3_C
-from vllm.transformers_utils.config import _CONFIG_REGISTRY
-assert vllm.__file__.startswith(sys.argv[1]), vllm.__file__
-assert importlib.util.find_spec("vllm.plugins.kimi_k3_dsa") is None
-assert not [e for e in md.entry_points(group="vllm.general_plugins")
-            if e.name == "kimi_k3_dsa"]
-assert _CONFIG_REGISTRY["kimi_linear"].__name__ == "KimiLinearDSAConfig"
-print("in-tree vLLM", vllm.__version__, "from", vllm.__file__,
-      "with", vllm._kimi_k3_C.__file__)
-"""
-
-
 def _record_paths(dist_info: Path) -> list[str]:
     """The paths a wheel installed (its RECORD's first column)."""
     lines = (dist_info / "RECORD").read_text().splitlines()
@@ -497,8 +481,15 @@ def install_in_tree(args: argparse.Namespace) -> int:
     built = sorted((CMAKE_WORK / "build").glob("_kimi_k3_C*.so"))
     shutil.copy2(built[0], SITE_IN_TREE / "vllm" / built[0].name)
     check = subprocess.run(
-        [sys.executable, "-c", IN_TREE_CHECK, str(SITE_IN_TREE)],
-        cwd=ROOT,  # where the suites run: the checkout is on their path
+        [
+            sys.executable,
+            "-m",
+            "patch_series.check_in_tree",
+            str(SITE_IN_TREE),
+            "--no-entry-point",
+        ],
+        # From the checkout, on the path as for the suites (-m puts it there).
+        cwd=ROOT,
         env={**os.environ, **IN_TREE_ENV, "PYTEST_ADDOPTS": ""},
     )
     return check.returncode

@@ -32,21 +32,6 @@ from patch_series import cmake_target
 from patch_series.fetch import DEFAULT_DIR
 from patch_series.in_tree import _series_paths
 
-# The installed wheel, first on the path: vLLM from it, the series' own
-# registry edit active (no plugin has run at import), the extension found.
-IMPORT_CHECK = """
-import importlib.util, sys
-import vllm
-from vllm.transformers_utils.config import _CONFIG_REGISTRY
-from vllm.models.kimi_k3.nvidia import dsa
-assert vllm.__file__.startswith(sys.argv[1]), vllm.__file__
-assert _CONFIG_REGISTRY["kimi_linear"].__name__ == "KimiLinearDSAConfig"
-plugin = importlib.util.find_spec("vllm.plugins.kimi_k3_dsa")
-assert plugin is None or not plugin.origin.startswith(sys.argv[1]), plugin
-assert importlib.util.find_spec("vllm._kimi_k3_C").origin.startswith(sys.argv[1])
-print("vllm", vllm.__version__, "from", vllm.__file__, "with the series")
-"""
-
 
 def _log(msg: str) -> None:
     print(f"[build-wheel] {msg}", flush=True)
@@ -129,7 +114,11 @@ def check_wheel(wheel: Path, series_files: list[str], scratch: Path) -> None:
         check=True,
     )
     subprocess.run(
-        [sys.executable, "-c", IMPORT_CHECK, str(scratch)],
+        [
+            sys.executable,
+            str(Path(__file__).with_name("check_in_tree.py")),
+            str(scratch),
+        ],
         env=dict(os.environ, PYTHONPATH=str(scratch)),
         cwd=scratch,
         check=True,

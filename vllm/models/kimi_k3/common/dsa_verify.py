@@ -119,7 +119,7 @@ def check_speculative_draft(vllm_config: VllmConfig) -> None:
 
 # What vLLM 0.33.0's dense MLA backends (FlashAttention MLA, FlashMLA, Triton
 # MLA) read; none reads the target's fp8_ds_mla.
-DENSE_DRAFT_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+DENSE_DRAFT_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
 
 
 def configure_dense_draft(vllm_config: VllmConfig) -> None:
