@@ -931,7 +931,8 @@ def assert_allocation_is_the_plan(
     KDA state groups included. Returns the plan."""
     kv = run.kv_cache
     assert kv is not None and kv.error is None, kv
-    budget = kv.kv_budget_bytes
+    # An engine given kv_cache_memory_bytes skips profiling: that is its budget.
+    budget = kv.kv_budget_bytes or run.engine_kwargs.get("kv_cache_memory_bytes")
     report(
         "kv_cache",
         label=run.label,
