@@ -3,7 +3,7 @@
 """The KV cache plan of a Kimi K3.1 DSA deployment, without a GPU or weights.
 
 For a checked text config (:mod:`.kv_plan_inputs`), a TP size, a KV cache
-budget per GPU, the indexer key dtype and an optional dense MLA draft,
+budget per GPU, the indexer key dtype and an optional draft (dense MLA or MTP),
 :func:`make_plan` computes what the packed KV cache of vLLM 0.33.0 with this
 series holds: the per-token bytes of each DSA cache (``fp8_ds_mla`` MLA and
 indexer keys), the KDA states of one request, the block size, and how many
@@ -13,8 +13,10 @@ the engine's. ``kimi-k3-dsa-kv-plan`` (:mod:`.kv_plan_cli`) prints them.
 
 Model of the cache (block-outermost packed layout, ``mamba_cache_mode``
 ``none``): every block row holds all DSA layers' MLA and indexer pages for
-``block_size`` tokens (plus a dense draft's MLA pages); the KDA states sit in
-state groups of ``states_per_row`` states, each group's page fitting one row.
+``block_size`` tokens (plus a dense draft's MLA pages, or the MTP layers' MLA
+and indexer pages); the KDA states sit in state groups of ``states_per_row``
+states, each group's page fitting one row. The engine sizes the block without
+the MTP layers (they join the row when vLLM groups the draft's caches).
 A request of L tokens takes ``ceil(L / block_size)`` rows plus one row per
 state group. The budget is what vLLM gives the KV cache on each GPU (after
 weights and activations, e.g. ``--gpu-memory-utilization`` minus the rest).
@@ -56,7 +58,9 @@ class KVPlan:
     mla_bytes_per_token: int
     indexer_bytes_per_token: int
     draft_method: str | None
+    mtp_layers: int
     draft_bytes_per_token: int
+    block_size_row_bytes_per_token: int
     row_bytes_per_token: int
     row_bytes: int
     num_speculative_tokens: int
@@ -122,12 +126,29 @@ def make_plan(
         raise PlanError("--max-model-len must be a positive number of tokens")
     if num_speculative_tokens < 0:
         raise PlanError("--num-speculative-tokens must be >= 0")
-    if draft_method is not None:
-        if draft_method not in dsa_verify.DENSE_MLA_DRAFT_METHODS:
+    is_mtp = draft_method in dsa_verify.MTP_DRAFT_METHODS
+    if is_mtp:
+        if draft_text is not None:
             raise PlanError(
-                f"unknown draft method {draft_method!r}: the dense MLA drafts "
-                "whose pages share the DSA row are "
-                f"{', '.join(dsa_verify.DENSE_MLA_DRAFT_METHODS)}"
+                f"--draft-config is for a dense MLA draft "
+                f"({' or '.join(dsa_verify.DENSE_MLA_DRAFT_METHODS)}); "
+                f"--draft-method {draft_method} drafts with the checkpoint's own "
+                "MTP layers"
+            )
+        if num_speculative_tokens < 1:
+            raise PlanError(
+                f"--draft-method {draft_method} needs --num-speculative-tokens "
+                ">= 1, as vLLM's speculative_config does"
+            )
+    elif draft_method is not None:
+        if draft_method not in dsa_verify.DENSE_MLA_DRAFT_METHODS:
+            methods = (
+                *dsa_verify.DENSE_MLA_DRAFT_METHODS,
+                *dsa_verify.MTP_DRAFT_METHODS,
+            )
+            raise PlanError(
+                f"unknown draft method {draft_method!r}: the drafts whose pages "
+                f"share the DSA row are {', '.join(methods)}"
             )
         if draft_kv_cache_dtype not in dsa_verify.DENSE_DRAFT_CACHE_DTYPES:
             raise PlanError(
@@ -148,6 +169,16 @@ def make_plan(
         )
 
     # The flags against the model.
+    mtp_layers = 0
+    if is_mtp:
+        mtp_layers = getattr(text_config, "num_nextn_predict_layers", None)
+        if type(mtp_layers) is not int or mtp_layers < 1:
+            raise PlanError(
+                f"{config_name}: --draft-method {draft_method} needs the "
+                "checkpoint's MTP layers, and text_config.num_nextn_predict_layers "
+                f"is {mtp_layers!r}; plan with the config of a checkpoint that has "
+                "them, or without a draft"
+            )
     dsa = text_config.dsa_config
     linear = text_config.linear_attn_config
     num_dsa, num_kda = dsa_cache.dsa_layer_counts(text_config)
@@ -188,7 +219,7 @@ def make_plan(
     )
     index = dsa_cache.indexer_cache_entry_bytes(dsa.index_head_dim, use_fp4)
     draft = 0
-    if draft_method is not None:
+    if draft_method is not None and not is_mtp:
         assert draft_text is not None
         # "auto" is the draft's weight dtype: bf16 for the Kimi K3 drafts.
         draft_dtype = (
@@ -197,7 +228,12 @@ def make_plan(
         draft = _draft_bytes_per_token(
             draft_text, draft_config_name, draft_method, draft_dtype
         )
-    row = dsa_cache.packed_row_bytes_per_token(num_dsa, mla, index, draft)
+    sizing_row = dsa_cache.packed_row_bytes_per_token(num_dsa, mla, index, draft)
+    # The MTP layers are DSA layers: vLLM packs their pages into the row the
+    # engine sized the block without.
+    row = sizing_row + dsa_cache.packed_row_bytes_per_token(mtp_layers, mla, index)
+    if is_mtp:
+        draft = row - sizing_row
     state = dsa_block_size.kda_state_bytes(
         kda_heads,
         linear["head_dim"],
@@ -205,9 +241,15 @@ def make_plan(
         tp,
         num_speculative_tokens,
     )
-    spr = dsa_cache.states_per_row(num_dsa, num_kda)
     alignment = dsa_block_size.packed_dsa_alignment(list(KERNEL_BLOCK_SIZES))
-    block = dsa_cache.packed_block_size_from_bytes(row, spr, state, alignment, tp)
+    block = dsa_cache.packed_block_size_from_bytes(
+        sizing_row,
+        dsa_cache.states_per_row(num_dsa, num_kda),
+        state,
+        alignment,
+        tp,
+    )
+    spr = dsa_cache.states_per_row(num_dsa + mtp_layers, num_kda)
     # FlashMLA sparse and the indexer read 64-token pages; the planner keeps
     # the block stride a whole number of both.
     block_bytes = dsa_block_size.packed_block_bytes(
@@ -243,7 +285,9 @@ def make_plan(
         mla_bytes_per_token=mla,
         indexer_bytes_per_token=index,
         draft_method=draft_method,
+        mtp_layers=mtp_layers,
         draft_bytes_per_token=draft,
+        block_size_row_bytes_per_token=sizing_row,
         row_bytes_per_token=row,
         num_speculative_tokens=num_speculative_tokens,
         kda_state_bytes=state,
@@ -271,11 +315,11 @@ def _human(n: int) -> str:
 
 def format_plan(p: KVPlan) -> str:
     """The plan as the command's human-readable report."""
-    draft = (
-        f"{p.draft_bytes_per_token:>7,} B ({p.draft_method})"
-        if p.draft_method
-        else f"{0:>7,} B (no dense MLA draft)"
-    )
+    if p.mtp_layers:
+        draft_name = f"{p.draft_method}: {p.mtp_layers} MTP layer(s), MLA + indexer"
+    else:
+        draft_name = p.draft_method or "no draft"
+    draft = f"{p.draft_bytes_per_token:>7,} B ({draft_name})"
     lines = [
         f"Kimi K3.1 DSA KV cache plan ({p.config})",
         f"  layers {p.num_layers}: {p.num_dsa_layers} DSA + {p.num_kda_layers} KDA"
@@ -288,7 +332,7 @@ def format_plan(p: KVPlan) -> str:
         f"  indexer {p.indexer_kv_dtype:<8} {p.indexer_bytes_per_token:>5} B x "
         f"{p.num_dsa_layers} layers = "
         f"{p.indexer_bytes_per_token * p.num_dsa_layers:>7,} B",
-        f"  dense MLA draft                      = {draft}",
+        f"  draft pages                          = {draft}",
         f"  packed row                           = {p.row_bytes_per_token:>7,} B",
         "KDA states per request, per GPU:",
         f"  {p.kda_state_bytes:,} B x {p.num_kda_layers} layers = "
@@ -300,7 +344,13 @@ def format_plan(p: KVPlan) -> str:
         ),
         "Block:",
         f"  block size {p.block_size:,} tokens (multiple of {p.alignment}, rounded at "
-        f"reference TP {p.reference_tp})",
+        f"reference TP {p.reference_tp})"
+        + (
+            f", sized from the row without the MTP layers "
+            f"({p.block_size_row_bytes_per_token:,} B a token), as the engine does"
+            if p.mtp_layers
+            else ""
+        ),
         f"  block bytes {p.block_bytes:,} ({_human(p.block_bytes)}): the row's "
         f"{p.row_bytes:,} B in whole 64-token kernel pages",
         f"  {p.states_per_row} KDA states per row, {p.num_state_groups} state groups",

@@ -84,8 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="tokens of a full-length request (default: max_position_embeddings)",
     )
-    parser.add_argument("--draft-method", help="dense MLA draft: eagle3 or dspark")
-    parser.add_argument("--draft-config", help="the draft's config.json or directory")
+    parser.add_argument(
+        "--draft-method",
+        help="speculative draft whose pages share the DSA row: eagle3 or dspark "
+        "(dense MLA, with --draft-config), or mtp / kimi_k3_mtp (the "
+        "checkpoint's MTP layers)",
+    )
+    parser.add_argument(
+        "--draft-config", help="a dense MLA draft's config.json or directory"
+    )
     parser.add_argument(
         "--draft-kv-cache-dtype",
         default="auto",

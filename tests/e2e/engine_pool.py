@@ -249,11 +249,15 @@ def _run(spec_file: Path, out: Path) -> None:
 
     model = Path(spec["model"])
     if spec["kind"] == "serve":
+        draft = spec["engine_kwargs"].get("speculative_config")
         result = tiny_serving.serve_and_complete(
             model,
             spec["prompts"][0],
             Path(spec["log_dir"]) / f"{spec['label']}.server.log",
             timeout_s=RUN_TIMEOUT_S * 2,
+            extra_args=()
+            if draft is None
+            else ("--speculative-config", json.dumps(draft)),
             memory_args=(
                 "--kv-cache-memory-bytes",
                 str(KV_CACHE_BYTES),

@@ -107,6 +107,7 @@ def test_the_row_holds_the_draft_as_the_plan_counts_it(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ):
+    from vllm.models.kimi_k3.common.dsa_block_size import packed_row_contents
     from vllm.models.kimi_k3.common.dsa_cache import dense_mla_draft_bytes_per_token
 
     cfg = draft_engine_config(target, drafts[method], method, tp, monkeypatch)
@@ -125,6 +126,10 @@ def test_the_row_holds_the_draft_as_the_plan_counts_it(
     assert plan["draft_bytes_per_token"] == DRAFT_PAGE
     assert plan["row_bytes_per_token"] == ROW_WITHOUT_DRAFT + DRAFT_PAGE
     assert plan["block_size"] == block
+    # The engine's block-size log line names the draft's pages in the row.
+    assert packed_row_contents(cfg).endswith(
+        f"and the {method} draft's MLA pages ({DRAFT_PAGE} B a token)"
+    )
 
 
 def test_vllms_packer_puts_the_draft_layers_in_the_dsa_row():

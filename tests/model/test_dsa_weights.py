@@ -524,6 +524,18 @@ def multimodal_vllm_config(multimodal_checkpoint: Path, dsa_vllm_config: Any) ->
     )
 
 
+def test_the_row_log_names_the_mtp_layers(multimodal_vllm_config: Any) -> None:
+    from vllm.models.kimi_k3.common.dsa_block_size import packed_row_contents
+
+    text = multimodal_vllm_config.model_config.hf_text_config
+    assert text.num_nextn_predict_layers >= 1
+    assert packed_row_contents(multimodal_vllm_config) == (
+        f"the MLA and indexer pages of {len(DSA_LAYERS)} DSA layers and the MTP "
+        f"draft's {text.num_nextn_predict_layers} DSA layer(s), added after the "
+        "block was sized"
+    )
+
+
 def test_multimodal_target_and_mtp_draft_load_end_to_end(
     dsa_layer_env, multimodal_checkpoint: Path, multimodal_vllm_config: Any
 ) -> None:

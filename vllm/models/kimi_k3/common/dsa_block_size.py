@@ -24,11 +24,17 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.models.kimi_k3.common.dsa_cache import (
+    dense_mla_draft_bytes_per_token,
+    dsa_layer_counts,
     is_kda_hybrid_dsa,
     mla_page_bytes_per_token,
     packed_dsa_block_size,
 )
-from vllm.models.kimi_k3.common.dsa_verify import check_dsa_pcp
+from vllm.models.kimi_k3.common.dsa_verify import (
+    DENSE_MLA_DRAFT_METHODS,
+    MTP_DRAFT_METHODS,
+    check_dsa_pcp,
+)
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,
@@ -225,8 +231,33 @@ def packed_dsa_block_size_for(
             cache_config.block_size,
             block_size,
         )
-    logger.info("Kimi-K3.1 DSA: packed KV cache block size %d tokens.", block_size)
+    logger.info(
+        "Kimi-K3.1 DSA: packed KV cache block size %d tokens; one cache "
+        "group's row holds %s.",
+        block_size,
+        packed_row_contents(vllm_config),
+    )
     return block_size
+
+
+def packed_row_contents(vllm_config: VllmConfig) -> str:
+    """What a packed row's cache group holds, a speculative draft's caches
+    included, so the log says where the draft's pages went."""
+    text_config = vllm_config.model_config.hf_text_config
+    num_dsa, _ = dsa_layer_counts(text_config)
+    contents = f"the MLA and indexer pages of {num_dsa} DSA layers"
+    method = getattr(vllm_config.speculative_config, "method", None)
+    if method in DENSE_MLA_DRAFT_METHODS:
+        draft = dense_mla_draft_bytes_per_token(vllm_config)
+        contents += f" and the {method} draft's MLA pages ({draft} B a token)"
+    elif method in MTP_DRAFT_METHODS:
+        layers = getattr(text_config, "num_nextn_predict_layers", 0)
+        # vLLM groups the MTP layers' specs with the target's after sizing.
+        contents += (
+            f" and the MTP draft's {layers} DSA layer(s), added after the block "
+            "was sized"
+        )
+    return contents
 
 
 def packed_hybrid_block_size(

@@ -76,11 +76,12 @@ XPU_REASON = (
 # Dense MLA drafts whose full-attention MLA specs group with the target's
 # DSA row (their pages sit in the same block row).
 DENSE_MLA_DRAFT_METHODS = ("eagle3", "dspark")
+# Drafts with the checkpoint's own MTP layers (DSA layers in the same row).
+MTP_DRAFT_METHODS = ("mtp", "kimi_k3_mtp")
 # Speculative methods a Kimi K3.1 DSA target serves: its MTP layers, the
 # dense MLA drafts the row sizes, and drafts that keep no KV cache.
 DSA_SPECULATIVE_METHODS = (
-    "mtp",
-    "kimi_k3_mtp",
+    *MTP_DRAFT_METHODS,
     *DENSE_MLA_DRAFT_METHODS,
     "ngram",
     "ngram_gpu",
