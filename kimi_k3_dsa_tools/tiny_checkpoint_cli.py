@@ -56,6 +56,8 @@ PROG = "kimi-k3-dsa-tiny-checkpoint"
 # keeps the embedding and the LM head small.
 MIN_VOCAB = 1024
 MAX_VOCAB = 131072
+# vLLM's MTP speculator runs each layer once per draft token.
+MAX_MTP_LAYERS = 4
 _STAGING_INFIX = ".tiny-checkpoint-"
 
 
@@ -265,6 +267,14 @@ def _parser() -> argparse.ArgumentParser:
         "vllm bench latency draws prompt ids below 10000",
     )
     parser.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"MTP layers (num_nextn_predict_layers), 0 to {MAX_MTP_LAYERS}, "
+        "for a kimi_k3_mtp draft (1; 0 with --real-attention)",
+    )
+    parser.add_argument(
         "--draft",
         choices=DRAFT_METHODS,
         default=None,
@@ -304,6 +314,12 @@ def main(argv: list[str] | None = None) -> None:
                 f"give 1 to {MAX_ATTENTION_BLOCKS}",
                 2,
             )
+    if args.mtp_layers is not None and not 0 <= args.mtp_layers <= MAX_MTP_LAYERS:
+        _exit(
+            f"--mtp-layers {args.mtp_layers} is out of range; "
+            f"give 0 to {MAX_MTP_LAYERS}",
+            2,
+        )
     if args.vocab_size is not None and not MIN_VOCAB <= args.vocab_size <= MAX_VOCAB:
         _exit(
             f"--vocab-size {args.vocab_size} is out of range; "
@@ -325,6 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     overrides = real_attention_overrides(dsa, blocks) if args.real_attention else {}
     if args.vocab_size is not None:
         overrides["vocab_size"] = args.vocab_size
+    if args.mtp_layers is not None:
+        overrides["num_nextn_predict_layers"] = args.mtp_layers
     if args.draft is not None:
         draft_target = tiny_text_config(dsa=dsa, **overrides)
 

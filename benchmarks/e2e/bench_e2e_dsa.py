@@ -38,6 +38,12 @@ same for every mode. ``--attention-blocks N`` repeats that four-layer block N
 times (the real model: 24 attention layers of 93), so that the attention has
 the share of the step it has there; give the KV cache room for N layers.
 
+``--modes mtp`` adds the fused engine with the checkpoint's MTP layer as a
+draft (``kimi_k3_mtp``, ``--mtp-tokens`` tokens) on the multimodal variant
+of the checkpoint (the same text weights plus an MTP layer). Its weights are
+random, so acceptance means nothing: its rows give the decode step's cost
+with verification (``step x fused``) and the tokens a step emitted.
+
 ``--dry-run`` prints the plan (engines, rows, tokens to prefill) and exits.
 """
 
@@ -55,7 +61,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-MODES = ("fused", "wrapper", "dense")
+MODES = ("fused", "wrapper", "dense", "mtp")
+DEFAULT_MODES = ("fused", "wrapper", "dense")
 FORCE_WRAPPER_ENV = "VLLM_KIMI_K3_DSA_FORCE_WRAPPER"
 TINY_CHECKPOINT_COMMAND = "kimi-k3-dsa-tiny-checkpoint"
 TINY_CHECKPOINT_MODULE = "kimi_k3_dsa_tools.tiny_checkpoint_cli"
@@ -139,14 +146,26 @@ class StepLog:
             )
         )
 
+    def _pure_decode(self, batch: int) -> list[tuple[int, list[float]]]:
+        # A speculative step emits 1 to k + 1 tokens a request, one ITL each.
+        return [
+            (new_tokens, itls)
+            for new_tokens, first_tokens, running, itls in self.steps
+            if len(itls) == running == batch
+            and new_tokens >= batch
+            and first_tokens == 0
+        ]
+
     def pure_decode_itls(self, batch: int) -> list[float]:
         """ITLs of the steps where all ``batch`` requests decode, none prefills."""
-        return [
-            itl
-            for new_tokens, first_tokens, running, itls in self.steps
-            if new_tokens == batch and first_tokens == 0 and running == batch
-            for itl in itls
-        ]
+        return [itl for _, itls in self._pure_decode(batch) for itl in itls]
+
+    def tokens_per_step(self, batch: int) -> float | None:
+        """Mean tokens a request got from one of those steps (1 without a draft)."""
+        steps = self._pure_decode(batch)
+        if not steps:
+            return None
+        return sum(n for n, _ in steps) / (batch * len(steps))
 
 
 def attach_step_log(llm: Any) -> StepLog:
@@ -187,6 +206,9 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "starts": len(starts),
             "repeats": len(recs),
         }
+        per_step = [r["tokens_per_step"] for r in recs if r.get("tokens_per_step")]
+        if per_step:
+            summary["tokens_per_step"] = statistics.fmean(per_step)
         if steps:
             rates = [batch / statistics.median(v) for v in step_repeats]
             summary |= {
@@ -203,6 +225,9 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         wrapper = by_mode.get(("wrapper", *row)) if s["mode"] == "fused" else None
         if dense is not None:
             s["ttft_x_dense"] = s["ttft_ms"] / dense["ttft_ms"]
+        fused = by_mode.get(("fused", *row)) if s["mode"] == "mtp" else None
+        if fused is not None and "step_ms" in s and "step_ms" in fused:
+            s["step_x_fused"] = s["step_ms"] / fused["step_ms"]
         for name, ref in (("decode_x_dense", dense), ("decode_x_wrapper", wrapper)):
             if ref is not None and "decode_tok_s" in s and "decode_tok_s" in ref:
                 s[name] = s["decode_tok_s"] / ref["decode_tok_s"]
@@ -217,7 +242,7 @@ def print_summary(summary: list[dict[str, Any]]) -> None:
     print(
         f"{'input':>7} {'B':>3} {'mode':>8} {'TTFT ms':>9} {'step ms':>8} "
         f"{'steps':>6} {'decode tok/s':>13} {'(min-max)':>13} {'x dense':>8} "
-        f"{'TTFT/dense':>10}"
+        f"{'TTFT/dense':>10} {'step/fused':>10} {'tok/step':>8}"
     )
     for s in summary:
         if "decode_tok_s" in s:
@@ -228,9 +253,12 @@ def print_summary(summary: list[dict[str, Any]]) -> None:
             step = rate = spread = "-"
         x = _ratio(s.get("decode_x_dense"))
         t = _ratio(s.get("ttft_x_dense"))
+        v = _ratio(s.get("step_x_fused"))
+        k = _ratio(s.get("tokens_per_step"))
         print(
             f"{s['input_len']:>7} {s['batch']:>3} {s['mode']:>8} {s['ttft_ms']:>9.1f} "
-            f"{step:>8} {s['decode_steps']:>6} {rate:>13} {spread:>13} {x:>8} {t:>10}"
+            f"{step:>8} {s['decode_steps']:>6} {rate:>13} {spread:>13} {x:>8} {t:>10} "
+            f"{v:>10} {k:>8}"
         )
 
 
@@ -238,8 +266,9 @@ def markdown_summary(summary: list[dict[str, Any]]) -> str:
     """The summary as a Markdown table, for docs/benchmarks.md."""
     lines = [
         "| input x B | mode | TTFT ms | step ms | decode tok/s (min-max) "
-        "| decode x dense | TTFT x dense | fused x wrapper |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| decode x dense | TTFT x dense | fused x wrapper | step x fused "
+        "| tokens a step |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summary:
         if "decode_tok_s" in s:
@@ -254,7 +283,8 @@ def markdown_summary(summary: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {size} | {s['mode']} | {s['ttft_ms']:.1f} | {step} | {rate} "
             f"| {_ratio(s.get('decode_x_dense'))} | {_ratio(s.get('ttft_x_dense'))} "
-            f"| {_ratio(s.get('decode_x_wrapper'))} |"
+            f"| {_ratio(s.get('decode_x_wrapper'))} "
+            f"| {_ratio(s.get('step_x_fused'))} | {_ratio(s.get('tokens_per_step'))} |"
         )
     return "\n".join(lines)
 
@@ -281,9 +311,18 @@ def summarize_files(args: argparse.Namespace) -> int:
 
 
 def engine_kwargs(model: str, max_len: int, args: argparse.Namespace) -> dict:
-    """``vllm.LLM``'s arguments, the same for every mode: only the checkpoint
-    and the wrapper switch differ."""
-    return {
+    """``vllm.LLM``'s arguments, the same for every mode: only the checkpoint,
+    the wrapper switch and the MTP draft differ."""
+    draft = {}
+    if getattr(args, "mode", None) == "mtp":
+        draft = {
+            "speculative_config": {
+                "method": "kimi_k3_mtp",
+                "num_speculative_tokens": args.mtp_tokens,
+            },
+            "limit_mm_per_prompt": {"image": 0},
+        }
+    return draft | {
         "model": model,
         "skip_tokenizer_init": True,
         "enable_prefix_caching": False,
@@ -349,6 +388,7 @@ def run_engine(args: argparse.Namespace) -> int:
                 "ttft_s": [t["ttft_s"] for t in times],
                 "tpot_s": [t["tpot_s"] for t in times],
                 "decode_itl_s": step_log.pure_decode_itls(row.batch),
+                "tokens_per_step": step_log.tokens_per_step(row.batch),
             }
             f.write(json.dumps(record) + "\n")
             f.flush()
@@ -370,12 +410,16 @@ def write_checkpoints(
     config_only: bool = False,
     blocks: int = 1,
     vocab_size: int = VOCAB_SIZE,
+    multimodal: bool = False,
 ) -> dict[str, Path]:
     """The DSA and the dense real-attention checkpoints (same seed, ``blocks``
-    repeats of the three-KDA, one-attention layer block), once."""
+    repeats of the three-KDA, one-attention layer block), once; with
+    ``multimodal``, the DSA one's multimodal variant too (its MTP layer)."""
     suffix = "" if blocks == 1 else f"-b{blocks}"
     suffix += f"-v{vocab_size}"
     paths = {"dsa": out / f"ckpt-dsa{suffix}", "dense": out / f"ckpt-dense{suffix}"}
+    if multimodal:
+        paths["mtp"] = out / f"ckpt-dsa-mm{suffix}"
     # The console script, or its module where pip put no script on PATH (an
     # install with --target, as on the GPU test host).
     script = shutil.which(TINY_CHECKPOINT_COMMAND)
@@ -383,7 +427,8 @@ def write_checkpoints(
     for kind, path in paths.items():
         if (path / "config.json").exists():
             continue
-        extra = ["--no-dsa"] if kind == "dense" else []
+        extra = {"dense": ["--no-dsa"], "mtp": ["--multimodal", "--mtp-layers", "1"]}
+        extra = extra.get(kind, [])
         extra += ["--config-only"] if config_only else ["--seed", str(seed)]
         extra += ["--attention-blocks", str(blocks), "--vocab-size", str(vocab_size)]
         subprocess.run([*command, str(path), "--real-attention", *extra], check=True)
@@ -406,8 +451,13 @@ def engine_command(
         "--iters", str(args.iters),
         "--kv-cache-gib", str(args.kv_cache_gib),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--mtp-tokens", str(args.mtp_tokens),
         "--rows", *rows,
     ]  # fmt: skip
+
+
+def checkpoint_of(mode: str) -> str:
+    return {"dense": "dense", "mtp": "mtp"}.get(mode, "dsa")
 
 
 def mode_env(mode: str) -> dict[str, str]:
@@ -452,14 +502,18 @@ def drive(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpts = write_checkpoints(
-        out, args.seed, blocks=args.attention_blocks, vocab_size=args.vocab_size
+        out,
+        args.seed,
+        blocks=args.attention_blocks,
+        vocab_size=args.vocab_size,
+        multimodal="mtp" in args.modes,
     )
     if args.vllm_bench_latency:
         return drive_vllm_bench_latency(args, out, ckpts, order)
     records = out / "records.jsonl"
     status = 0
     for start, mode in order:
-        model = ckpts["dense" if mode == "dense" else "dsa"]
+        model = ckpts[checkpoint_of(mode)]
         with open(out / f"engine_{mode}_{start}.log", "w") as log:
             proc = subprocess.run(
                 engine_command(args, mode, start, model, records),
@@ -518,7 +572,7 @@ def drive_vllm_bench_latency(
     status = 0
     results = []
     for start, mode in order:
-        model = ckpts["dense" if mode == "dense" else "dsa"]
+        model = ckpts[checkpoint_of(mode)]
         for row in args.planned_rows:
             name = f"latency_{mode}_{start}_{row.input_len}x{row.batch}"
             command = vllm_bench_latency_command(
@@ -573,12 +627,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--iters", type=int, required=True)
     e.add_argument("--kv-cache-gib", type=float, required=True)
     e.add_argument("--max-num-batched-tokens", type=int, required=True)
+    e.add_argument("--mtp-tokens", type=int, required=True)
     e.add_argument("--rows", nargs="+", required=True)
     m = sub.add_parser("summarize", help="summarize records.jsonl files")
     m.add_argument("records", nargs="+")
     m.add_argument("--markdown", action="store_true")
     p.add_argument("--out", default="build/e2e_bench")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
+    p.add_argument(
+        "--mtp-tokens",
+        type=int,
+        default=1,
+        help="num_speculative_tokens of the mtp mode's draft",
+    )
     p.add_argument("--input-lens", type=int, nargs="+", default=[8192, 32768, 131072])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--output-len", type=int, default=256)
@@ -634,9 +695,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "max_prefill_tokens",
         "max_num_batched_tokens",
         "attention_blocks",
+        "mtp_tokens",
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.command != "engine" and args.vllm_bench_latency and "mtp" in args.modes:
+        p.error("--vllm-bench-latency runs the fused, wrapper and dense modes only")
     if args.command != "engine" and args.vllm_bench_latency and args.vocab_size < 10000:
         p.error(
             f"--vllm-bench-latency draws prompt ids below 10000: give --vocab-size "

@@ -127,6 +127,48 @@ def test_only_steps_where_the_whole_batch_decodes_count() -> None:
     assert log.pure_decode_itls(3) == [0.01, 0.01, 0.01]
 
 
+def test_speculative_steps_count_with_their_tokens() -> None:
+    log = E.StepLog()
+    log.add(_Sched(2), _Iter(3, 0, [0.01, 0.01]))  # one request got 2 tokens
+    log.add(_Sched(2), _Iter(4, 0, [0.02, 0.02]))
+    log.add(_Sched(2), _Iter(2, 0, [0.5]))  # one request still prefills
+    log.add(_Sched(2), _Iter(3, 1, [0.2]))  # a first token in the step
+    assert log.pure_decode_itls(2) == [0.01, 0.01, 0.02, 0.02]
+    assert log.tokens_per_step(2) == pytest.approx(7 / 4)
+    assert log.tokens_per_step(3) is None
+
+
+def test_mtp_rows_report_the_step_against_fused() -> None:
+    records = [
+        _record("fused", 0, 0.002, 0.1),
+        _record("mtp", 0, 0.003, 0.1) | {"tokens_per_step": 1.5},
+    ]
+    summary = {s["mode"]: s for s in E.summarize(records)}
+    assert summary["mtp"]["step_x_fused"] == pytest.approx(1.5)
+    assert summary["mtp"]["tokens_per_step"] == pytest.approx(1.5)
+    assert "step_x_fused" not in summary["fused"]
+
+
+def test_mtp_mode_drafts_with_the_multimodal_checkpoint() -> None:
+    import argparse
+
+    args = argparse.Namespace(
+        mode="mtp", mtp_tokens=3, kv_cache_gib=1.0, max_num_batched_tokens=8192,
+        start=0,
+    )  # fmt: skip
+    kwargs = E.engine_kwargs("ckpt", 4096, args)
+    assert kwargs["speculative_config"] == {
+        "method": "kimi_k3_mtp",
+        "num_speculative_tokens": 3,
+    }
+    assert E.checkpoint_of("mtp") == "mtp" and E.checkpoint_of("wrapper") == "dsa"
+    assert "speculative_config" not in E.engine_kwargs(
+        "ckpt", 4096, args.__class__(**{**vars(args), "mode": "fused"})
+    )
+    with pytest.raises(SystemExit):
+        E.parse_args(["--modes", "mtp", "--vllm-bench-latency"])
+
+
 def test_step_log_wraps_the_engines_stat_logger_manager() -> None:
     seen = []
 
@@ -307,9 +349,9 @@ def test_summarize_committed_records_as_markdown(
     rows = [line for line in capsys.readouterr().out.splitlines() if "32K x 4" in line]
     fused = next(r for r in rows if "| fused |" in r).split("|")
     # decode x dense 2.00, TTFT x dense 0.50, fused x wrapper 1.50
-    assert [c.strip() for c in fused[-4:-1]] == ["2.00", "0.50", "1.50"]
+    assert [c.strip() for c in fused[-6:-3]] == ["2.00", "0.50", "1.50"]
     dense = next(r for r in rows if "| dense |" in r).split("|")
-    assert [c.strip() for c in dense[-4:-1]] == ["", "", ""]
+    assert [c.strip() for c in dense[-6:-1]] == ["", "", "", "", ""]
     assert E.main(["summarize", str(path)]) == 0
     assert "decode tok/s" in capsys.readouterr().out
     empty = tmp_path / "empty.jsonl"

@@ -225,6 +225,19 @@ def test_cli_writes_attention_blocks(tmp_path: Path) -> None:
     assert config["linear_attn_config"]["full_attn_layers"] == [4, 8, 12]
 
 
+def test_cli_mtp_layers_reach_the_config(tmp_path: Path) -> None:
+    out = tmp_path / "mtp"
+    cli.main([str(out), "--real-attention", "--mtp-layers", "1", "--config-only"])
+    config = json.loads((out / T.CONFIG_FILE).read_text())
+    overrides = T.real_attention_overrides()
+    assert overrides["num_nextn_predict_layers"] == 0
+    assert config == T.tiny_text_config(**(overrides | {"num_nextn_predict_layers": 1}))
+    with pytest.raises(SystemExit) as refused:
+        cli.main([str(tmp_path / "bad"), "--mtp-layers", "5", "--config-only"])
+    assert refused.value.code == 2
+    assert not (tmp_path / "bad").exists()
+
+
 def test_cli_vocab_size_reaches_config_and_weights(tmp_path: Path) -> None:
     """vllm bench latency draws prompt ids below 10000: --vocab-size 10240
     gives an embedding and LM head that take them; nothing else changes."""

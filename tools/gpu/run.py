@@ -223,6 +223,17 @@ SUITES: dict[str, Suite] = {
         "DSA fused against dense MLA end to end, one engine start each "
         "(the full grid, the wrapper included, is benchmarks/e2e's default)",
     ),
+    "e2e-bench-mtp": Suite(
+        "for k in 1 3; do python3 benchmarks/e2e/bench_e2e_dsa.py "
+        "--out $LOGS/mtp$k --modes fused mtp --mtp-tokens $k --starts 1 --iters 3 "
+        "--input-lens 32768 --batch-sizes 1 16 --attention-blocks 4 "
+        "--kv-cache-gib 24 || exit 1; done",
+        CUTE_ENV,
+        900,
+        "decode at 32K with and without the MTP draft (1 and 3 tokens) on the "
+        "real-attention checkpoint with four attention layers: the step's cost "
+        "of verification (random weights: acceptance means nothing)",
+    ),
     "packed-gemm": Suite(
         "python3 benchmarks/kernels/bench_packed_gemm.py --json $LOGS/packed_gemm.json",
         CUTE_ENV,
