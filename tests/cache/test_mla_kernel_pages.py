@@ -257,7 +257,7 @@ def test_runner_slots_untouched_without_a_split(allocated):
     assert by_gid[0] is slots and by_layer["l3.mla"] is slots
 
 
-def test_multi_step_drafts_refused_with_kernel_pages(monkeypatch, vllm_config_for):
+def test_multi_step_drafts_with_kernel_pages_need_model_runner_v2(monkeypatch, vllm_config_for):
     from vllm.models.kimi_k3.common.dsa_verify import check_mla_kernel_pages
 
     cfg = vllm_config_for()
@@ -270,11 +270,17 @@ def test_multi_step_drafts_refused_with_kernel_pages(monkeypatch, vllm_config_fo
     monkeypatch.setattr(
         cfg, "speculative_config", SimpleNamespace(num_speculative_tokens=2)
     )
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     with pytest.raises(
         NotImplementedError,
-        match=r"num_speculative_tokens=2 is not supported .* 64-token kernel pages",
+        match=r"num_speculative_tokens=2 is not supported .* 64-token kernel pages"
+        r" .* under Model Runner V1",
     ):
         check_mla_kernel_pages(cfg)
+    # Model Runner V2 (every GPU host's) remaps the drafts' slot mappings.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    check_mla_kernel_pages(cfg)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     monkeypatch.setenv(MLA_KERNEL_PAGES_ENV, "0")
     check_mla_kernel_pages(cfg)  # SM90 pages of whole blocks: no remap needed
 

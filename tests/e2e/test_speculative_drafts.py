@@ -17,7 +17,7 @@ import pytest
 from engine_pool import EngineSpec
 from test_prefix_caching import ENGINES as PREFIX_ENGINES
 from test_prefix_caching import GRAPHS, HITS, MTP, PREFIX
-from test_tiny_serving import EAGER, REFERENCE
+from test_tiny_serving import EAGER, MLA_KERNEL_PAGES, REFERENCE
 from test_tiny_serving import ENGINES as SERVING_ENGINES
 from tiny_serving import (
     MAX_TOKENS,
@@ -50,6 +50,7 @@ def _draft(method: str, num_tokens: int, **kwargs) -> EngineSpec:
 
 
 MTP3 = "pc-mtp3-graphs"
+MTP3_PAGES = "pc-mtp3-graphs-mla-kernel-pages"
 SERVE_DSPARK = "serve-dspark"
 ENGINES: dict[str, EngineSpec] = {
     GRAPHS: PREFIX_ENGINES[GRAPHS],
@@ -78,12 +79,16 @@ ENGINES: dict[str, EngineSpec] = {
         },
     ),
 }
+# Three draft steps writing the MLA cache in 64-token kernel pages (SM10x's
+# layout): Model Runner V2 remaps every draft step's slots.
+ENGINES[MTP3_PAGES] = dataclasses.replace(ENGINES[MTP3], env=MLA_KERNEL_PAGES)
 # Label -> (the kv plan's --draft-method, speculative tokens).
 PLANS = {
     "pc-dspark-graphs": ("dspark", 2),
     "pc-eagle3-graphs": ("eagle3", 1),
     "pc-eagle3-eager": ("eagle3", 1),
     MTP3: ("mtp", 3),
+    MTP3_PAGES: ("mtp", 3),
 }
 
 
@@ -125,6 +130,13 @@ def test_a_draft_keeps_the_targets_tokens_in_the_planned_cache(
     )
     log = (log_dir / f"{label}.log").read_text(errors="replace")
     assert _draft_in_row(method) in _row_line(log)
+    sparse_pages = {
+        g["kernel_block_size"]
+        for w in run.kv_cache.workers
+        for g in w["attention_groups"]
+        if g["backend"] == "KimiK3FlashMLASparseBackend"
+    }
+    assert sparse_pages == ({64} if label == MTP3_PAGES else {None}), sparse_pages
 
 
 @pytest.mark.engines(REFERENCE, SERVE_DSPARK)

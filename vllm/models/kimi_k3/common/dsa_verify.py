@@ -151,17 +151,23 @@ def configure_dense_draft(vllm_config: VllmConfig) -> None:
 
 
 def check_mla_kernel_pages(vllm_config: VllmConfig) -> None:
-    """Multi-step drafts recompute their slots in manager blocks (0.33.0's
-    ``eagle_step_update_slot_mapping_and_metadata``), which kernel pages do
-    not remap yet; one speculative token reuses the target's remapped slots."""
+    """Model Runner V1's later draft steps compute their slots in manager
+    blocks (``eagle_step_update_slot_mapping_and_metadata``), which kernel
+    pages do not take; V2's speculators compute theirs through the remapped
+    ``BlockTables.compute_slot_mappings``."""
     spec = vllm_config.speculative_config
     num_tokens = (spec.num_speculative_tokens or 0) if spec is not None else 0
-    if num_tokens > 1 and mla_kernel_pages_in_use():
+    if (
+        num_tokens > 1
+        and mla_kernel_pages_in_use()
+        and not vllm_config.use_v2_model_runner
+    ):
         raise NotImplementedError(
             f"num_speculative_tokens={num_tokens} is not supported for Kimi K3.1 DSA "
             "with the MLA cache in 64-token kernel pages (SM10x, or "
-            f"{MLA_KERNEL_PAGES_ENV}=1): draft steps after the first would write "
-            "their KV at manager-block slots. Use num_speculative_tokens=1"
+            f"{MLA_KERNEL_PAGES_ENV}=1) under Model Runner V1: its draft steps "
+            "after the first write their KV at manager-block slots. Use Model "
+            "Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) or num_speculative_tokens=1"
         )
 
 
