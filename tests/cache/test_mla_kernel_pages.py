@@ -257,7 +257,9 @@ def test_runner_slots_untouched_without_a_split(allocated):
     assert by_gid[0] is slots and by_layer["l3.mla"] is slots
 
 
-def test_multi_step_drafts_with_kernel_pages_need_model_runner_v2(monkeypatch, vllm_config_for):
+def test_multi_step_drafts_with_kernel_pages_need_model_runner_v2(
+    monkeypatch, vllm_config_for
+):
     from vllm.models.kimi_k3.common.dsa_verify import check_mla_kernel_pages
 
     cfg = vllm_config_for()
