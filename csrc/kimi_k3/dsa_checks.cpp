@@ -14,9 +14,8 @@
 namespace kimi_k3 {
 namespace {
 
-// Numbers go into messages as std::string: streaming integers through the
-// std::ostream of TORCH_CHECK crashed on the H200 image's toolchain (a newer
-// GCC than torch's), while strings stream fine.
+// Numbers go into messages as std::string: streaming integers through
+// TORCH_CHECK's std::ostream crashes when built with a GCC newer than torch's.
 std::string num(int64_t v) { return std::to_string(v); }
 
 std::string shape(const at::Tensor& t) {

@@ -2,11 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Run a patch when a module is first imported (or now, if it already is).
 
-The model seams patch ``vllm.models.kimi_k3.nvidia.model`` and ``mtp``.
-Importing them from :func:`~vllm.plugins.kimi_k3_dsa.register` would cost
-every vLLM process (front-end included, for every model) the several seconds
-those modules take to import; instead the patch runs right after the module
-executes, in whichever process builds a Kimi K3 model. Not a seam itself.
+Lets the model seams avoid importing the slow model modules in every process.
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ _lock = threading.RLock()
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    """Delegates to the real loader; runs the pending patches after
-    ``exec_module``."""
+    """Runs the pending patches after the real loader's ``exec_module``."""
 
     def __init__(self, inner: Any, fullname: str) -> None:
         self._inner = inner

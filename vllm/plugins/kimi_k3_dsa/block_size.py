@@ -3,37 +3,14 @@
 """Seam: a hybrid model may size its KV cache block itself; Kimi K3.1's block
 is the packed DSA row.
 
-Upstream target: ``vllm/platforms/interface.py``,
-``Platform._align_hybrid_block_size`` (called by
-``update_block_size_for_backend`` in the worker after the model is built, on
-CUDA and CPU alike), and the Kimi K3 model classes of
-``vllm/models/kimi_k3/nvidia/model.py`` (``KimiLinearForCausalLM``,
-``KimiK3ForConditionalGeneration``).
+Upstream target: ``vllm/platforms/interface.py``
+``Platform._align_hybrid_block_size`` and the Kimi K3 model classes.
 
-Why: 0.33.0 sizes a hybrid block so that ONE attention page holds one mamba
-state, from one MLA page of 576 B/token (its spec lacks
-``state_content_bytes``, so ``fp8_ds_mla``'s real 656 B are undercounted), and
-it ignores the indexer page and a dense MLA draft's pages; then it pads every
-KDA state to that page. Kimi K3.1's block row holds all 24 DSA layers' MLA and
-indexer pages (plus a draft's) and, in the state groups, several KDA states at
-their own size. The platform cannot know that layout, so it asks the model
-class, as it asks for the state shapes (``get_mamba_state_shape_from_config``):
-a model class with the optional classmethod ``get_hybrid_block_size(vllm_config,
-backend_classes)`` returns the block size it needs (its states then unpadded)
-or None for the platform's rule. The Kimi K3 classes implement it with
-:func:`~vllm.models.kimi_k3.common.dsa_block_size.packed_hybrid_block_size`:
-the packed row's size, TP-divisible, for a KDA-hybrid DSA model (None for
-Kimi K3 and Kimi-Linear). It also refuses, before the KV cache is allocated,
-a backend that would have to split the packed row of a token cache written
-through manager slots (0.33.0 would fail later, when the cache is bound, with
-advice that cannot apply to Kimi K3.1).
+Why: Kimi K3.1's packed row (every DSA layer's MLA and indexer pages, KDA
+states unpadded) is a layout only the model knows.
 
-In-tree edit: at the top of ``_align_hybrid_block_size``, resolve the model
-class and, where it has ``get_hybrid_block_size`` and that returns a size,
-set ``cache_config.block_size`` (and ``mamba_block_size`` in ``align`` mode),
-leave the states unpadded and return; the Kimi K3 classes get the classmethod.
-The platform is the only writer of that size: the hook computes it and
-changes nothing.
+In-tree edit: ``_align_hybrid_block_size`` first asks the model class's
+optional ``get_hybrid_block_size`` classmethod.
 """
 
 from __future__ import annotations
@@ -47,7 +24,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 MODEL_MODULE = "vllm.models.kimi_k3.nvidia.model"
-# The model-class hook the platform asks.
 HOOK = "get_hybrid_block_size"
 _MODEL_CLASSES = ("KimiLinearForCausalLM", "KimiK3ForConditionalGeneration")
 _MARK = "_kimi_k3_dsa_hybrid_block_size"
@@ -56,10 +32,8 @@ _MARK = "_kimi_k3_dsa_hybrid_block_size"
 def model_hybrid_block_size(
     cls: Any, vllm_config: VllmConfig, backend_cls: Any
 ) -> int | None:
-    """What the in-tree ``_align_hybrid_block_size`` does first: ask the
-    model class's hook and apply the block size it returns (None: the
-    platform's own rule follows). The one place that writes the hook's size
-    into ``cache_config``: the hook only computes it."""
+    """Apply the model hook's block size, or return None for the platform's
+    own rule; the hook only computes, this writes ``cache_config``."""
     from vllm.config.vllm import set_current_vllm_config
     from vllm.model_executor.models import ModelRegistry
 

@@ -2,33 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Seam: the Kimi K3 config verifier knows DSA.
 
-Upstream target: ``vllm/model_executor/models/config.py``, ``MODELS_CONFIG_MAP``
-entries ``KimiK3ForConditionalGeneration`` and ``KimiK3MTPModel``
-(``KimiK3ForConditionalGenerationConfig``) and a new ``KimiLinearForCausalLM``
-entry.
+Upstream target: ``vllm/model_executor/models/config.py`` ``MODELS_CONFIG_MAP``.
 
-Why: a DSA model must run with the ``fp8_ds_mla`` cache and must be refused at
-config time when it cannot be served. The runner resolves the KV cache dtype
-from ``cache_config.cache_dtype`` before the model is built, so the forcing
-belongs in the verifier, never in the model. Any Kimi K3 model (DSA or not) is
-refused there too when its KDA layers would decode with vLLM 0.33.0's Triton
-KDA decode at a ``max_num_seqs`` beyond that kernel's launch grid.
+Why: the ``fp8_ds_mla`` cache dtype must be forced, and unservable configs
+refused, before the runner resolves the KV cache; the Triton KDA decode also
+bounds ``max_num_seqs``.
 
-The MTP draft's model config is verified too, as it is built: a Kimi K3 or
-K3.1 checkpoint without MTP layers is refused there, before vLLM's
-``SpeculativeConfig`` divides by the draft's layer count, and a draft built
-from a text-only (``KimiLinearForCausalLM``) checkpoint, which vLLM cannot
-draft with, is refused by name.
-
-In-tree edit: a ``verify_and_update_config`` on
-``KimiK3ForConditionalGenerationConfig`` calling
-:func:`~vllm.models.kimi_k3.common.dsa_verify.verify_dsa_vllm_config` and
-:func:`~vllm.models.kimi_k3.nvidia.kda_decode_grid.check_kda_decode_grid`, and
-the same hook registered for ``KimiLinearForCausalLM``; its
-``verify_and_update_model_config`` also calls
-:func:`~vllm.models.kimi_k3.common.dsa_verify.verify_mtp_draft` for the
-``KimiK3MTPModel`` draft, and the Kimi-Linear entry's calls
-:func:`~vllm.models.kimi_k3.common.dsa_verify.refuse_text_only_draft`.
+In-tree edit: Kimi K3 and Kimi-Linear verifiers calling
+``verify_dsa_vllm_config`` and ``check_kda_decode_grid``, plus the draft
+checks ``verify_mtp_draft`` / ``refuse_text_only_draft``.
 """
 
 from __future__ import annotations
@@ -51,8 +33,7 @@ if TYPE_CHECKING:
 
 
 class KimiK3DSAVerifier(KimiK3ForConditionalGenerationConfig):
-    """0.33.0's Kimi K3 verifier (MXFP4 expert routing) plus the DSA rules and
-    the Triton KDA decode's batch limit."""
+    """0.33.0's Kimi K3 verifier plus the DSA rules and the KDA decode limit."""
 
     @staticmethod
     def verify_and_update_config(vllm_config: VllmConfig) -> None:
@@ -61,8 +42,7 @@ class KimiK3DSAVerifier(KimiK3ForConditionalGenerationConfig):
 
 
 class KimiK3MTPDSAVerifier(KimiK3DSAVerifier):
-    """The Kimi K3 verifier of the MTP draft: refuses a checkpoint with no
-    MTP layer when the draft's model config is built."""
+    """Also refuses a checkpoint with no MTP layer as the draft."""
 
     @staticmethod
     def verify_and_update_model_config(model_config: ModelConfig) -> None:
@@ -73,9 +53,7 @@ class KimiK3MTPDSAVerifier(KimiK3DSAVerifier):
 
 
 class KimiLinearDSAVerifier(VerifyAndUpdateConfig):
-    """Kimi-Linear had no verifier: the DSA rules, the Triton KDA decode's
-    batch limit (Kimi K3's KDA layer), and no speculative draft built from a
-    text-only checkpoint."""
+    """Kimi-Linear had no verifier; a text-only checkpoint cannot draft."""
 
     @staticmethod
     def verify_and_update_model_config(model_config: ModelConfig) -> None:

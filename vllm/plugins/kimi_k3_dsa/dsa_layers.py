@@ -1,41 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Seam: Kimi K3's decoder builds DSA layers for a checkpoint with
-``dsa_config``, each given the model-level top-k buffer and index-group
-builder explicitly.
+``dsa_config``, sharing the model-level top-k buffer and index-group builder.
 
-Upstream target: ``vllm/models/kimi_k3/nvidia/model.py``: the full-attention
-branch of ``KimiDecoderLayer.__init__`` (the ``MultiHeadLatentAttention(...)``
-call), ``KimiLinearModel.__init__`` (its ``get_layer``);
-``vllm/models/kimi_k3/nvidia/mtp.py``: ``KimiK3MultiTokenPredictor.__init__``
-and ``KimiK3MultiTokenPredictorLayer.__init__`` (its MTP block is a
-``KimiDecoderLayer`` too).
+Upstream target: ``KimiDecoderLayer`` and ``KimiLinearModel.__init__``
+(``model.py``); ``KimiK3MultiTokenPredictor`` (``mtp.py``).
 
-Why: 0.33.0 builds dense MLA at every full-attention layer and has no
-``topk_indices_buffer``. Kimi K3.1 needs ``KimiK3DSAAttention`` at every
-full-attention layer and at the MTP layer (KDA layers untouched; plain Kimi K3
-keeps dense MLA), and, as DeepSeek V3.2's model does, one int32
-``[max_num_batched_tokens + DCP slack, index_topk]`` buffer and one
-``SparseMLAIndexGroupBuilder`` per model
-(:func:`~vllm.models.kimi_k3.nvidia.dsa_model.make_dsa_model_state`), kept on
-the model where vLLM's MTP proposer finds the target's buffer.
+Why: 0.33.0 builds dense MLA everywhere and has no ``topk_indices_buffer``.
 
-In-tree edit: ``KimiLinearModel.__init__`` and
-``KimiK3MultiTokenPredictor.__init__`` call ``make_dsa_model_state`` before
-they build their layers and pass ``topk_indices_buffer=`` and
-``index_group_builder=`` down through ``KimiDecoderLayer`` (and
-``KimiK3MultiTokenPredictorLayer``), whose full-attention branch builds
-``KimiK3DSAAttention(..., topk_indices_buffer=, index_group_builder=)`` when
-``config.dsa_config`` is set; the model keeps the state
-(``attach_dsa_model_state``).
-
-Overlay only: 0.33.0's unmodified ``KimiDecoderLayer`` takes no such
-arguments, so this seam reaches it with the smallest mechanism that does: the
-model ``__init__`` makes the state and holds it in a context variable while
-the original body runs, and the name ``MultiHeadLatentAttention``, which
-``KimiDecoderLayer`` looks up in its module globals, is rebound to
-:func:`kimi_k3_attention_factory`, which reads it. The in-tree form has
-neither the context variable nor the factory.
+In-tree edit: the model ``__init__`` passes ``make_dsa_model_state``'s buffer
+and builder down to ``KimiK3DSAAttention``; the overlay rebinds
+``MultiHeadLatentAttention`` to :func:`kimi_k3_attention_factory` instead.
 """
 
 from __future__ import annotations
@@ -59,7 +34,6 @@ MODEL_MODULE = "vllm.models.kimi_k3.nvidia.model"
 MTP_MODULE = "vllm.models.kimi_k3.nvidia.mtp"
 _MARK = "_kimi_k3_dsa_scope"
 
-# The state of the model whose __init__ is running (overlay only).
 _BUILDING: contextvars.ContextVar[DSAModelState | None] = contextvars.ContextVar(
     "kimi_k3_dsa_model_state", default=None
 )
@@ -75,11 +49,8 @@ def _building(state: DSAModelState | None) -> Iterator[None]:
 
 
 def kimi_k3_attention_factory(config: Any, *args: Any, **kwargs: Any) -> nn.Module:
-    """Stands for ``KimiDecoderLayer``'s full-attention branch (overlay
-    only): Kimi K3's dense ``MultiHeadLatentAttention`` without
-    ``dsa_config``, ``KimiK3DSAAttention`` with it, given the state of the
-    model being built. Takes ``MultiHeadLatentAttention``'s arguments, bound
-    by its own signature, so this stand-in does not restate them."""
+    """``MultiHeadLatentAttention`` without ``dsa_config``, else
+    ``KimiK3DSAAttention`` with the state of the model being built."""
     from vllm.models.kimi_k3.common.dsa_config import is_dsa_model
     from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 
@@ -91,9 +62,7 @@ def kimi_k3_attention_factory(config: Any, *args: Any, **kwargs: Any) -> nn.Modu
     layer_args = dict(mla.arguments)
     prefix = layer_args.get("prefix", "")
     use_output_gate = layer_args.pop("use_output_gate", False)
-    # run_gemm_rs_ar: the DSA layer keeps the standard o_proj (the decoder
-    # layer turns its reduction off under sequence parallelism and
-    # reduce-scatters the full-length output itself).
+    # The DSA layer keeps the standard o_proj.
     layer_args.pop("run_gemm_rs_ar", None)
     dsa_params = inspect.signature(KimiK3DSAAttention).parameters
     unsupported = set(layer_args) - set(dsa_params)
@@ -108,8 +77,6 @@ def kimi_k3_attention_factory(config: Any, *args: Any, **kwargs: Any) -> nn.Modu
             f"disagrees with mla_use_output_gate={config.mla_use_output_gate}"
         )
     state = _BUILDING.get()
-    # Outside a model __init__ (a host that builds KimiDecoderLayer directly)
-    # the layer gets no buffer, allocates a per-layer fallback and warns.
     return KimiK3DSAAttention(
         **layer_args,
         topk_indices_buffer=None if state is None else state.topk_indices_buffer,

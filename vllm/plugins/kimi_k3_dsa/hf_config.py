@@ -3,15 +3,11 @@
 """Seam: the HF config classes of ``kimi_linear`` and ``kimi_k3`` parse
 ``dsa_config``.
 
-Upstream target: ``vllm/transformers_utils/config.py`` ``_CONFIG_REGISTRY``
-(entries ``kimi_linear`` and ``kimi_k3``).
+Upstream target: ``vllm/transformers_utils/config.py`` ``_CONFIG_REGISTRY``.
 
-Why: 0.33.0's ``KimiLinearConfig`` has no ``dsa_config``; an unknown key lands
-as a raw dict attribute, while the model needs a typed, validated object and a
-top-level ``index_topk``.
+Why: 0.33.0's ``KimiLinearConfig`` would keep ``dsa_config`` as a raw dict.
 
-In-tree edit: add ``dsa_config`` to ``KimiLinearConfig.__init__`` (the body of
-``KimiLinearDSAConfig``); ``KimiK3Config`` then needs no change.
+In-tree edit: ``dsa_config`` in ``KimiLinearConfig.__init__``.
 """
 
 from vllm.models.kimi_k3.common.dsa_config import KimiK3DSAConfig, KimiLinearDSAConfig
@@ -28,7 +24,6 @@ def apply() -> None:
     from vllm.transformers_utils.config import _CONFIG_REGISTRY
 
     for model_type, config_class in CONFIG_CLASSES.items():
-        # The parser looks a model_type up here and registers the class with
-        # AutoConfig itself; registering too covers direct AutoConfig users.
+        # Registering with AutoConfig too covers its direct users.
         _CONFIG_REGISTRY[model_type] = config_class
         AutoConfig.register(model_type, config_class, exist_ok=True)

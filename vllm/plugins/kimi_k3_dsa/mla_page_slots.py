@@ -1,48 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Seam: the slots of a split token cache whose backend takes them from the
-runner address its kernel pages, under both of vLLM 0.33.0's model runners.
+"""Seam: the runners address a split token cache's kernel pages for backends
+that take their slots from the runner.
 
-Upstream targets:
+Upstream target: V2's ``BlockTables`` and ``GPUModelRunner.initialize_kv_cache``;
+V1's ``GPUModelRunner._get_slot_mappings``.
 
-* Model Runner V2 (the default wherever Triton runs, every GPU host):
-  ``vllm/v1/worker/gpu/block_table.py``, ``BlockTables.compute_slot_mappings``,
-  and ``vllm/v1/worker/gpu/model_runner.py``,
-  ``GPUModelRunner.initialize_kv_cache``;
-* the V1 runner: ``vllm/v1/worker/gpu_model_runner.py``,
-  ``GPUModelRunner._get_slot_mappings``.
+Why: in a packed row, manager-block slots and kernel pages disagree, so
+unremapped writes land in other layers' pages.
 
-Why: a backend that declares ``token_cache_kernel_page_slots = "runner"``
-(``kernel_block_split``) writes at its group's slot mapping; Kimi K3.1's
-``KimiK3FlashMLASparseBackend`` does, where FlashMLA sparse reads the
-``fp8_ds_mla`` cache in 64-token kernel pages (SM10x, or SM90 with
-``VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES=1``). There the runner splits the packed
-row's MLA pages (``kernel_block_split``) and hands
-the builders the kernel block table, whose page ``j`` of block ``b`` is
-``b * kernel_block_stride + j``. The KV insert (upstream's, and our fused
-prologue's) writes at the group's slot mapping, which 0.33.0 computes in
-manager blocks: ``b * block_size + o``. In a packed row the two disagree
-(other layers' pages sit between a layer's blocks): unremapped, every write
-past a request's first block lands in another layer's pages. So the group's
-slots become kernel-page slots (``kernel_page_slots``) wherever the runner
-computes them, before the metadata and the forward context read them:
-prefill, decode, dummy and CUDA-graph capture runs, micro-batches, and, under
-V2, the speculators' draft steps, which compute their slots through the same
-``BlockTables``. The indexer of the same group derives its own slots from the
-kernel block table and reads these only for their -1s, which stay -1.
-
-The runner finds those groups by asking each attention group's backend for
-the capability, never by a model's type.
-
-In-tree edits: V2's ``initialize_kv_cache``, once the caches are bound,
-records on its ``BlockTables`` which groups' slots address kernel pages
-(``configure_block_tables``: the split groups whose backend says
-``"runner"``), and ``compute_slot_mappings`` remaps those rows of the
-mappings it computed (``remap_slot_mapping_rows``); in V1's
-``_get_slot_mappings``, right after the per-group slot mappings are built,
-``remap_slot_mappings(self, slot_mappings_by_gid)``. These helpers know no
-model: they live in the engine's generic module
-:mod:`vllm.v1.worker.kernel_pages`, which the series adds at that path.
+In-tree edit: the runners remap those groups' slot mappings with the helpers
+of :mod:`vllm.v1.worker.kernel_pages`.
 """
 
 from __future__ import annotations
@@ -50,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# The logic lives in the engine's generic module (vLLM's tree calls it from
-# the runners); re-exported for callers of this seam.
 from vllm.v1.worker.kernel_pages import (
     BLOCK_TABLES_ATTR,
     configure_block_tables,
@@ -83,8 +49,7 @@ def _wrap(owner: type, name: str, make: Callable[[Any], Any]) -> None:
 
 
 def _v2_attn_groups(runner: Any) -> list[Any]:
-    """Every attention group a V2 runner binds caches for: the target's and
-    a draft model's (which builds its own metadata)."""
+    """The target's and a draft model's attention groups."""
     lists = list(runner.attn_groups) + list(
         getattr(getattr(runner, "speculator", None), "attn_groups", None) or []
     )

@@ -5,15 +5,10 @@
 Upstream target: ``vllm/config/compilation.py``
 ``CompilationConfig._attention_ops``.
 
-Why: the Kimi K3.1 indexer scores through its own op,
-``kimi_k3_sparse_attn_indexer`` (vLLM's ``sparse_attn_indexer`` steps with a
-deterministic top-k, ``models/kimi_k3/nvidia/dsa_indexer_op.py``). Like
-vLLM's op beside it in that list, it loops on the host over a step's prefill
-chunks, so it must run between piecewise CUDA graphs, never inside one; full
-decode graphs capture it as they capture vLLM's.
+Why: like ``sparse_attn_indexer``, the op loops over prefill chunks on the
+host, so it must run between piecewise graphs.
 
-In-tree edit: ``"vllm::kimi_k3_sparse_attn_indexer"`` in ``_attention_ops``,
-after ``"vllm::sparse_attn_indexer"``.
+In-tree edit: ``"vllm::kimi_k3_sparse_attn_indexer"`` in ``_attention_ops``.
 """
 
 INDEXER_OP = "vllm::kimi_k3_sparse_attn_indexer"

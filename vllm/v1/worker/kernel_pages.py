@@ -1,34 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Kernel pages of packed token caches: the page view of one cache, the slots
-that address it, and the runners' slot mappings in those pages.
+"""Kernel pages of packed token caches: the page view of one cache and the
+runners' slot mappings in those pages (torch only at import).
 
-In a packed (block-outermost) KV cache one manager block row holds every
-layer's pages of a KV cache group, so a block row can be far longer than the
-pages an attention kernel reads. The runner may then view each cache through
-a strided page view, kernel page ``j`` of block ``b`` being page ``b * stride
-+ j`` (:func:`split_packed_rows_into_kernel_pages`). A token cache (one state
-per token) is written through slot mappings, which vLLM computes in manager
-blocks (``b * block_size + o``); in a split cache those slots must address
-the kernel pages instead (:func:`kernel_page_slots`). Whether a backend's
-token cache may be split, and who puts its writes at kernel-page slots, is the
-backend's capability ``token_cache_kernel_page_slots``:
-
-* None (the default): the cache is written through manager-block slots and is
-  never split;
-* ``"builder"``: the backend's metadata builder derives its write slots from
-  the kernel block table it is handed (as compressed caches are written);
-* ``"runner"``: the runner hands the backend's KV cache group its slot
-  mapping in kernel pages (this module's remapping).
-
-Both runners remap the slots of the ``"runner"`` groups once per step, before
-the metadata and the forward context read them: Model Runner V2 in
-``BlockTables.compute_slot_mappings`` (configured by
-:func:`configure_block_tables` once the caches are bound, remapped by
-:func:`remap_slot_mapping_rows`), the V1 runner in ``_get_slot_mappings``
-(:func:`remap_slot_mappings`). The runners ask the backend, never a model's
-type. Torch only at import, so kernel tests can lay out caches exactly as the
-runner does without the rest of vLLM.
+A backend's ``token_cache_kernel_page_slots`` says who writes a split cache at
+kernel-page slots: None (never split), ``"builder"`` or ``"runner"``.
 """
 
 from __future__ import annotations
@@ -39,26 +15,17 @@ from typing import Any
 
 import torch
 
-# The attention-backend capability the runner asks before it splits a packed
-# row of a token cache into kernel pages (a class attribute; see above).
+# The attention-backend capability the runner asks before it splits.
 TOKEN_CACHE_KERNEL_PAGE_SLOTS = "token_cache_kernel_page_slots"
-# The backend's metadata builder derives its write slots from the kernel block
-# table it is handed.
 SLOTS_FROM_BUILDER = "builder"
-# The runner hands the backend's KV cache group its slot mapping in kernel
-# pages (:func:`kernel_page_slots`), for an insert that writes at the group's
-# slots.
 SLOTS_FROM_RUNNER = "runner"
 
-# The V1 runner's persistent buffers of remapped slots, per group.
 _BUFFERS = "_kernel_page_slot_buffers"
-# Where Model Runner V2's BlockTables keep the groups whose slots they remap.
 BLOCK_TABLES_ATTR = "kernel_page_slot_groups"
 
 
 def token_cache_kernel_page_slots(backend: object) -> str | None:
-    """A backend class's :data:`TOKEN_CACHE_KERNEL_PAGE_SLOTS` capability
-    (None for a backend that does not declare it, or for no backend)."""
+    """A backend class's :data:`TOKEN_CACHE_KERNEL_PAGE_SLOTS` capability."""
     value = getattr(backend, TOKEN_CACHE_KERNEL_PAGE_SLOTS, None)
     if value not in (None, SLOTS_FROM_BUILDER, SLOTS_FROM_RUNNER):
         raise ValueError(
@@ -72,16 +39,9 @@ def token_cache_kernel_page_slots(backend: object) -> str | None:
 def split_packed_rows_into_kernel_pages(
     kv_cache: torch.Tensor, kernel_rows: int
 ) -> tuple[torch.Tensor, int]:
-    """View one cache of a packed block-outermost KV cache, in manager blocks
-    ``[num_blocks, 1, block_size, C]`` or ``[num_blocks, block_size, C]``, as
-    ``kernel_rows``-token kernel pages.
-
-    Returns the view and the kernel block stride: kernel page j of manager
-    block b is page ``b * stride + j`` (the view spans the other layers' pages
-    between two blocks and never addresses them, which ``view`` cannot
-    express). Raises ValueError when the cache cannot be split (more than one
-    head slot, or a block stride that is not a whole number of kernel pages).
-    """
+    """View one cache of a packed block-outermost KV cache as
+    ``kernel_rows``-token kernel pages; returns the view and the kernel block
+    stride (page ``j`` of block ``b`` is page ``b * stride + j``)."""
     page_stride = kernel_rows * kv_cache.stride(-2)
     if (
         kv_cache.dim() < 3
@@ -110,14 +70,8 @@ def kernel_page_slots(
     kernel_block_stride: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Manager-block slots as slots of a cache split into kernel pages.
-
-    Token ``o`` of manager block ``b`` (slot ``b * block_size + o``) sits in
-    kernel page ``b * kernel_block_stride + o // page_tokens`` at row
-    ``o % page_tokens`` (:func:`split_packed_rows_into_kernel_pages`), that is
-    at slot ``b * kernel_block_stride * page_tokens + o``. Slot -1 (no write)
-    stays -1. ``out`` (same shape, int64) makes the result a persistent
-    buffer, as CUDA graphs need.
+    """Manager-block slots as slots of a cache split into kernel pages; -1
+    stays -1, and ``out`` makes the result a persistent buffer (CUDA graphs).
     """
     if block_size % page_tokens or kernel_block_stride * page_tokens < block_size:
         raise ValueError(
@@ -149,10 +103,8 @@ class KernelPageSlots:
 
 
 def kernel_page_slot_groups(attn_groups: Iterable[Any]) -> dict[int, KernelPageSlots]:
-    """KV cache group id -> its kernel-page addressing, for every attention
-    group whose cache the runner split into kernel pages and whose backend
-    takes its slots from the runner (``token_cache_kernel_page_slots ==
-    "runner"``)."""
+    """KV cache group id -> kernel-page addressing of the split groups whose
+    backend takes its slots from the runner."""
     found: dict[int, KernelPageSlots] = {}
     for group in attn_groups:
         if group.kernel_block_size is None or not group.kernel_block_stride:
@@ -177,10 +129,8 @@ def kernel_page_slot_groups(attn_groups: Iterable[Any]) -> dict[int, KernelPageS
 def remap_slot_mapping_rows(
     slot_mappings: torch.Tensor, groups: dict[int, KernelPageSlots]
 ) -> torch.Tensor:
-    """Model Runner V2: put the rows of ``slot_mappings`` (``[num_groups,
-    num_tokens]``, as ``BlockTables.compute_slot_mappings`` returns it) of
-    the split groups in kernel pages, in place (the rows are persistent
-    buffers that CUDA graphs and the speculators read)."""
+    """Model Runner V2: remap the split groups' rows of ``slot_mappings`` in
+    place (persistent buffers that CUDA graphs read)."""
     for gid, pages in groups.items():
         row = slot_mappings[gid]
         pages.remap(row, out=row)
@@ -188,9 +138,8 @@ def remap_slot_mapping_rows(
 
 
 def configure_block_tables(block_tables: Any, attn_groups: Iterable[Any]) -> None:
-    """Model Runner V2: record on ``block_tables`` which of its groups' slots
-    address kernel pages (after the runner bound the KV caches, which sets
-    the kernel block strides). Cleared when none does."""
+    """Model Runner V2: record which groups' slots address kernel pages, once
+    the KV caches are bound."""
     groups = kernel_page_slot_groups(attn_groups)
     for gid in groups:
         if gid >= block_tables.num_kv_cache_groups:
@@ -203,9 +152,7 @@ def configure_block_tables(block_tables: Any, attn_groups: Iterable[Any]) -> Non
 
 
 def runner_kernel_page_groups(runner: Any) -> dict[int, KernelPageSlots]:
-    """V1 runner: KV cache group id -> the kernel-page addressing of the
-    groups whose slots it remaps (:func:`kernel_page_slot_groups`). Runs
-    every step."""
+    """V1 runner: the groups whose slots it remaps."""
     return kernel_page_slot_groups(
         group
         for groups in getattr(runner, "attn_groups", None) or []
@@ -219,10 +166,8 @@ def remap_slot_mappings(
     by_layer: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]] | None = None,
     ubatch_slices: Any = None,
 ) -> tuple[Any, Any]:
-    """V1 runner: put the slots of every group it remaps in kernel pages:
-    ``by_gid`` (the attention metadata's) and, when given, ``by_layer`` (the
-    forward context's, per micro-batch when a list) are updated in place with
-    the same tensor, a persistent buffer of the runner, and returned."""
+    """V1 runner: remap the split groups' slots into a persistent buffer and
+    update ``by_gid`` and ``by_layer`` with it, in place."""
     if by_gid is None:
         return by_gid, by_layer
     split = runner_kernel_page_groups(runner)

@@ -2,20 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Kimi K3.1's ``dsa_config``: its parsed form and the rules of the model.
 
-A Kimi K3.1 checkpoint is a Kimi K3 checkpoint whose text config carries a
-``dsa_config`` block: its full-attention MLA layers become DSA layers (a
-lightning indexer keeps the top-k cached tokens, sparse MLA attends to them).
-This module decides whether a checkpoint is such a model and refuses a
-``dsa_config`` we cannot build: the HF config classes below parse the block
-into an immutable :class:`DSAConfig` and check it against the rest of the text
-config. Fields of ``dsa_config`` that Kimi K3.1 does not read are named in one
-warning and ignored; DSA keys outside ``dsa_config`` (another DSA model's
-layout) are refused when there is no ``dsa_config`` to serve from. What an
-engine configuration may do with such a model (cache and indexer dtypes,
-parallelism) is :mod:`.dsa_verify`'s, which the config verifier runs.
-
-Without ``dsa_config`` (plain Kimi K3, Kimi-Linear) the classes behave exactly
-as vLLM 0.33.0's: ``config.dsa_config is None`` and nothing else changes.
+Without ``dsa_config`` (plain Kimi K3, Kimi-Linear) the config classes behave
+exactly as vLLM 0.33.0's.
 """
 
 from __future__ import annotations
@@ -42,25 +30,17 @@ from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 logger = init_logger(__name__)
 
 INDEX_K_NORM_TYPES = ("rmsnorm", "layernorm")
-# DeepGEMM's indexer MQA-logits kernels pad the heads to 32 or 64 and take no
-# more.
 MAX_INDEX_NUM_HEADS = max(DEEPGEMM_INDEX_HEADS)
-# Keys of other DSA configs' shapes: DeepSeek V3.2's flat index_* keys, the
-# indexer_* keys of newer indexers, a dsa_config (or dsa_*) block. Kimi K3.1
-# reads its DSA settings from text_config.dsa_config only.
+# Keys of other DSA configs' layouts; Kimi K3.1 reads only dsa_config.
 DSA_KEY_PREFIXES = ("index_", "indexer_", "dsa_")
 DSA_BLOCK_KEYS = ("indexer", "dsa")
-# Where a multimodal config's DSA keys outside its text_config sit.
 MULTIMODAL_TOP_LEVEL = "the KimiK3ForConditionalGeneration config (outside text_config)"
 
 
 @dataclass(frozen=True)
 class DSAConfig:
-    """The ``dsa_config`` block of a Kimi K3.1 text config.
-
-    ``index_layers`` is the optional 1-indexed list of DSA layers; when given
-    it must name exactly the full-attention layers.
-    """
+    """The ``dsa_config`` block of a Kimi K3.1 text config; ``index_layers``
+    (1-indexed) must name exactly the full-attention layers."""
 
     index_topk: int
     index_head_dim: int
@@ -72,8 +52,7 @@ class DSAConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> DSAConfig:
-        """Parse and check each field on its own (see :func:`check_dsa_model`
-        for the rules that need the rest of the text config)."""
+        """Parse and check each field on its own."""
         if not isinstance(raw, Mapping):
             raise ValueError(
                 f"dsa_config must be a JSON object, got {type(raw).__name__}"
@@ -81,8 +60,7 @@ class DSAConfig:
         known = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(str(key) for key in raw if key not in known)
         if unknown:
-            # As the specification reads dsa_config: the fields it needs, the
-            # rest ignored, so a checkpoint with one more key still serves.
+            # Extra keys are ignored, so a newer checkpoint still serves.
             logger.warning_once(
                 "Kimi K3.1: dsa_config has unknown field(s) %s, which are "
                 "ignored; the fields read are %s",
@@ -101,7 +79,6 @@ class DSAConfig:
         return config
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form, as it appears in config.json."""
         out = dataclasses.asdict(self)
         if self.index_layers is None:
             del out["index_layers"]
@@ -189,9 +166,8 @@ def _is_dsa_key(key: Any) -> bool:
 
 
 def find_dsa_keys(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """The DSA-shaped keys in a raw config (nested JSON objects included), by
-    dotted path, in path order; a DSA key's own value is not searched, and a
-    null one, which sets nothing, is not counted."""
+    """The DSA-shaped keys in a raw config, nested ones included, by dotted
+    path; null values set nothing and are skipped."""
     found: dict[str, Any] = {}
     pending: list[tuple[str, Mapping[str, Any]]] = [(prefix, values)]
     while pending:
@@ -217,14 +193,10 @@ def _shown(value: Any) -> str:
 def check_dsa_key_placement(
     found: Mapping[str, Any], where: str, dsa: DSAConfig | None
 ) -> None:
-    """DSA keys that Kimi K3.1 does not read where they are (``found``, from
-    :func:`find_dsa_keys` over ``where``). Without ``dsa_config`` they would
-    be served as dense Kimi K3 without a word, so they are refused; beside a
-    ``dsa_config`` the model is served from it (as the spec reads it) and
-    they are named in one warning."""
+    """Refuse stray DSA keys without ``dsa_config`` (they would silently
+    serve dense Kimi K3); beside one, warn that they are ignored."""
     keys = dict(found)
     if dsa is not None and keys.get("index_topk") == dsa.index_topk:
-        # The top-level field the config class derives from dsa_config.
         del keys["index_topk"]
     if not keys:
         return
@@ -246,11 +218,8 @@ def check_dsa_key_placement(
 
 
 def full_attention_layers(text_config: KimiLinearConfig) -> tuple[int, ...]:
-    """1-indexed layers that Kimi K3's decoder builds as full attention.
-
-    vLLM 0.33.0's ``KimiDecoderLayer`` decides by ``is_kda_layer`` alone: every
-    layer that is not a KDA layer is an MLA layer.
-    """
+    """1-indexed layers that Kimi K3's decoder builds as full attention (every
+    layer that is not a KDA layer)."""
     return tuple(
         layer_idx + 1
         for layer_idx in range(text_config.num_hidden_layers)
@@ -259,10 +228,8 @@ def full_attention_layers(text_config: KimiLinearConfig) -> tuple[int, ...]:
 
 
 def check_layer_lists(linear_attn_config: Mapping[str, Any], num_layers: int) -> None:
-    """``kda_layers`` / ``full_attn_layers`` name layers of the model, once
-    each: the packed cache counts the KDA states by ``len(kda_layers)``, so an
-    entry that names no layer, or a layer twice, would size states no layer
-    has."""
+    """Each layer list names real layers once: the packed cache counts KDA
+    states by ``len(kda_layers)``."""
     for field in ("kda_layers", "full_attn_layers"):
         layers = list(linear_attn_config.get(field) or ())
         outside = [layer for layer in layers if not 1 <= layer <= num_layers]
@@ -322,8 +289,7 @@ def check_dsa_model(dsa: DSAConfig, text_config: KimiLinearConfig) -> None:
 
 def check_dsa_serving(text_config: KimiLinearConfig) -> None:
     """The rules vLLM 0.33.0's kernels and Kimi K3 decoder impose on a DSA
-    model's attention (checked when serving and when planning, not when a
-    config object is merely built)."""
+    model's attention, checked when serving and planning."""
     for name in ("qk_nope_head_dim", "v_head_dim"):
         value = getattr(text_config, name, None)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -352,12 +318,8 @@ def check_dsa_serving(text_config: KimiLinearConfig) -> None:
 
 
 class KimiLinearDSAConfig(KimiLinearConfig):
-    """``KimiLinearConfig`` that parses ``dsa_config`` (Kimi K3.1).
-
-    Stands for adding the field to vLLM's ``KimiLinearConfig``. It also exposes
-    ``index_topk`` at the top level, which 0.33.0's FlashMLA sparse metadata
-    builder reads from ``hf_text_config``.
-    """
+    """``KimiLinearConfig`` that parses ``dsa_config``; ``index_topk`` is also
+    exposed at the top level for FlashMLA sparse's metadata builder."""
 
     def __init__(self, dsa_config: Mapping[str, Any] | DSAConfig | None = None, **kw):
         misplaced = find_dsa_keys(kw)
@@ -381,22 +343,16 @@ class KimiLinearDSAConfig(KimiLinearConfig):
             out.pop("dsa_config", None)
         else:
             out["dsa_config"] = self.dsa_config.to_dict()
-            # Derived from dsa_config; re-created on load.
             out.pop("index_topk", None)
         return out
 
 
 class KimiK3DSAConfig(KimiK3Config):
-    """``KimiK3Config`` whose text config is a :class:`KimiLinearDSAConfig`.
-
-    A subclass, so the multimodal processor's ``isinstance(..., KimiK3Config)``
-    check keeps accepting it.
-    """
+    """``KimiK3Config`` whose text config is a :class:`KimiLinearDSAConfig`."""
 
     def __init__(
         self, text_config: Mapping[str, Any] | KimiLinearConfig | None = None, **kw
     ):
-        # A top-level null is harmless: dropped so it changes nothing.
         if kw.pop("dsa_config", None) is not None:
             raise ValueError(
                 "dsa_config is at the top level of a KimiK3ForConditionalGeneration "
@@ -419,11 +375,8 @@ def is_dsa_model(text_config: Any) -> bool:
 
 
 def check_mxfp4_indexer(dsa: DSAConfig) -> None:
-    """The model-side rules of MXFP4 indexer keys (the GPU rule is
-    :func:`.dsa_verify.check_indexer_kv_dtype`'s): they are read by DeepGEMM's
-    FP4 MQA logits, which take fewer head dims than the fp8 ones, and written
-    only by the fused key insert (layernorm k-norm, no indexer rope, the
-    shapes its kernel is built for)."""
+    """The model-side rules of MXFP4 indexer keys: DeepGEMM's FP4 MQA logits
+    and the fused key insert, their only reader and writer."""
     if not (dsa.index_k_norm_type == "layernorm" and dsa.index_rope_dim == 0):
         raise ValueError(
             "indexer_kv_dtype='mxfp4' needs the fused Kimi K3 DSA key insert "

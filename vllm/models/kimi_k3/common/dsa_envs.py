@@ -2,28 +2,19 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The environment switches of Kimi K3.1 DSA and how they are read.
 
-Each changes what runs (the compiled graph, the KV layout or the refusals),
-so each is declared where vLLM declares its own, in ``vllm.envs``'
-``environment_variables`` (part of the torch.compile cache key), with the
-reader below (the ``envs`` seam of ``vllm.plugins.kimi_k3_dsa``; in-tree, an
-entry of ``vllm/envs.py``). That table is the one list of them: this module
-defines each switch's name and reader once and keeps no list of its own. A
-value other than 0/1/true/false is refused rather than guessed.
+Each changes what runs, so each is declared in ``vllm.envs``'
+``environment_variables`` (the torch.compile cache key) with its reader
+below. A value other than 0/1/true/false is refused rather than guessed.
 """
 
 import os
 
-# Set to 1 to serve DSA layers with the wrapper forward and vLLM's unfused key
-# insert (upstream ops only, none of vllm._kimi_k3_C's kernels), e.g. to
-# compare that path with the fused forward on the same checkpoint.
+# Serve DSA layers with upstream ops only (wrapper forward, unfused insert).
 FORCE_WRAPPER_ENV = "VLLM_KIMI_K3_DSA_FORCE_WRAPPER"
-# Decode context parallelism serves wrong tokens (docs/serving.md), so it is
-# refused unless a developer opts in to reproduce that.
+# Decode context parallelism serves wrong tokens; refused unless opted in.
 EXPERIMENTAL_DCP_ENV = "VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP"
-# Split the packed row's MLA pages into FlashMLA sparse's 64-token kernel pages
-# on SM90 too (SM10x always reads them so): the Blackwell page path, on Hopper.
+# Split the MLA pages into 64-token kernel pages on SM90 too (SM10x always).
 MLA_KERNEL_PAGES_ENV = "VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES"
-# Every switch's name starts so; vLLM's table lists them under it.
 ENV_PREFIX = "VLLM_KIMI_K3_DSA_"
 _ENV_BOOLS = {"0": False, "false": False, "1": True, "true": True}
 
@@ -41,10 +32,8 @@ def _env_flag(name: str) -> bool:
 
 
 def check_env_switches() -> None:
-    """Parse every switch of ours that vLLM declares, so that a value we do
-    not understand is refused when the config is verified, naming it, not
-    first when a layer, the cache or vLLM's compile cache happens to read it
-    (or never, in this configuration)."""
+    """Parse every switch of ours at config verification, so a bad value is
+    refused by name before anything reads it."""
     import vllm.envs as envs
 
     for name, read in envs.environment_variables.items():
@@ -58,14 +47,13 @@ def force_wrapper_forward() -> bool:
 
 
 def mla_kernel_pages_forced() -> bool:
-    """Whether :data:`MLA_KERNEL_PAGES_ENV` forces the MLA cache into 64-token
-    kernel pages where FlashMLA sparse would read whole blocks (SM90)."""
+    """Whether :data:`MLA_KERNEL_PAGES_ENV` forces 64-token MLA kernel pages."""
     return _env_flag(MLA_KERNEL_PAGES_ENV)
 
 
 def mla_kernel_pages_in_use() -> bool:
-    """Whether the MLA cache is served in 64-token kernel pages: forced, or on
-    SM10x, where FlashMLA sparse reads the quantized cache only so."""
+    """Whether the MLA cache is served in 64-token kernel pages (forced, or
+    SM10x)."""
     from vllm.platforms import current_platform
 
     return mla_kernel_pages_forced() or (
@@ -75,5 +63,5 @@ def mla_kernel_pages_in_use() -> bool:
 
 def experimental_dcp() -> bool:
     """Whether :data:`EXPERIMENTAL_DCP_ENV` lets decode context parallelism
-    through (to reproduce its known wrong output, not to serve)."""
+    through (to reproduce its wrong output, not to serve)."""
     return _env_flag(EXPERIMENTAL_DCP_ENV)

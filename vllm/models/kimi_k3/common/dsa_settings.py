@@ -1,17 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""What a Kimi K3.1 DSA deployment runs with, decided once.
-
-The config verifier (:func:`~vllm.models.kimi_k3.common.dsa_verify.
-verify_dsa_vllm_config`) refuses what cannot be served; what it accepts
-resolves here: the indexer key format (decided by
-:func:`~.dsa_cache.kimi_k3_indexer_uses_fp4`, which the cache builder and the
-block size ask too), the top-k buffer rows
-(:func:`~.dsa_verify.topk_indices_buffer_rows`, which the verifier checks
-against the GPU memory budget) and the head count DeepGEMM's indexer runs at
-(:func:`padded_index_heads`).
-:class:`DSASettings` gathers what a DSA layer reads of them.
-"""
+"""What a Kimi K3.1 DSA deployment runs with, resolved once from the
+configuration the verifier accepted."""
 
 from __future__ import annotations
 
@@ -31,9 +21,7 @@ if TYPE_CHECKING:
 class DSASettings:
     """The resolved settings of one engine configuration."""
 
-    # MXFP4 indexer keys (68 B/token at head dim 128) instead of fp8 (132 B).
     indexer_fp4: bool
-    # Tokens each query keeps, and rows of the model-level top-k buffer.
     index_topk: int
     topk_buffer_rows: int
 

@@ -1,18 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The engine-side rules of Kimi K3.1 DSA, and the config verifier.
+"""The engine-side rules of Kimi K3.1 DSA, run at config verification.
 
-:func:`verify_dsa_vllm_config` runs at config verification (the Kimi K3
-verifier; see the ``vllm.plugins.kimi_k3_dsa`` seams), before the model or any
-cache exists: it refuses what an engine configuration cannot serve correctly
-with a DSA model (the platform, prefill and decode context parallelism, the
-decode backend, the indexer key dtype and head dim per GPU, drafts with kernel
-pages, top-k against ``max_model_len``, FlashMLA sparse's heads per rank, the
-top-k buffer against the GPU memory budget) and forces the ``fp8_ds_mla``
-cache. :func:`check_dsa_deployment` is the part that needs no ``VllmConfig``,
-shared with the KV plan command. The model's own rules are
-:mod:`.dsa_config`'s; what the accepted configuration resolves to is
-:mod:`.dsa_settings`'.
+:func:`verify_dsa_vllm_config` refuses what an engine configuration cannot
+serve with a DSA model and forces the ``fp8_ds_mla`` cache;
+:func:`check_dsa_deployment` is the part the KV plan command shares.
 """
 
 from __future__ import annotations
@@ -48,19 +40,15 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# Cache dtypes a user may ask for, and what each becomes for a DSA model: the
-# FlashMLA sparse kernels read only the fp8_ds_mla format.
+# The FlashMLA sparse kernels read only fp8_ds_mla.
 DSA_CACHE_DTYPES: dict[str, str] = {
     "auto": "fp8_ds_mla",
     "fp8": "fp8_ds_mla",
     "fp8_e4m3": "fp8_ds_mla",
     "fp8_ds_mla": "fp8_ds_mla",
 }
-# Indexer key dtypes (--attention-config '{"indexer_kv_dtype": ...}').
 DSA_INDEXER_KV_DTYPES = ("auto", "fp8", "mxfp4")
-# The model-level top-k buffer is one activation of the forward; above this
-# share of the memory vLLM may use on a GPU it crowds out the weights and the
-# KV cache (Kimi K3.1's 2048 x 65536 tokens is 512 MiB).
+# The top-k buffer may take at most 1/N of the usable GPU memory.
 TOPK_BUFFER_MAX_BUDGET_SHARE = 10
 GIB = 2**30
 ROCM_REASON = (
@@ -73,13 +61,9 @@ XPU_REASON = (
 )
 
 
-# Dense MLA drafts whose full-attention MLA specs group with the target's
-# DSA row (their pages sit in the same block row).
+# Dense MLA drafts whose pages share the target's packed DSA row.
 DENSE_MLA_DRAFT_METHODS = ("eagle3", "dspark")
-# Drafts with the checkpoint's own MTP layers (DSA layers in the same row).
 MTP_DRAFT_METHODS = ("mtp", "kimi_k3_mtp")
-# Speculative methods a Kimi K3.1 DSA target serves: its MTP layers, the
-# dense MLA drafts the row sizes, and drafts that keep no KV cache.
 DSA_SPECULATIVE_METHODS = (
     *MTP_DRAFT_METHODS,
     *DENSE_MLA_DRAFT_METHODS,
@@ -90,9 +74,7 @@ DSA_SPECULATIVE_METHODS = (
 
 
 def check_speculative_draft(vllm_config: VllmConfig) -> None:
-    """Refuse a draft whose KV cache the packed DSA row does not size: a
-    method with its own cache other than MTP and the dense MLA drafts, or a
-    dense draft without an MLA latent (``kv_lora_rank``)."""
+    """Refuse a draft whose KV cache the packed DSA row does not size."""
     spec = vllm_config.speculative_config
     if spec is None:
         return
@@ -118,17 +100,12 @@ def check_speculative_draft(vllm_config: VllmConfig) -> None:
         )
 
 
-# What vLLM 0.33.0's dense MLA backends (FlashAttention MLA, FlashMLA, Triton
-# MLA) read; none reads the target's fp8_ds_mla.
+# What vLLM 0.33.0's dense MLA backends read; none reads fp8_ds_mla.
 DENSE_DRAFT_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
 
 
 def configure_dense_draft(vllm_config: VllmConfig) -> None:
-    """Give a dense MLA draft (eagle3, dspark) a cache dtype its backends
-    read: ``auto`` unless ``speculative_config.kv_cache_dtype`` names one.
-    Its full-attention MLA specs still group with the target's DSA layers in
-    the packed row, which :func:`dense_mla_draft_bytes_per_token` sizes in
-    that dtype."""
+    """Give a dense MLA draft a cache dtype its backends read."""
     spec = vllm_config.speculative_config
     if spec is None or spec.method not in DENSE_MLA_DRAFT_METHODS:
         return
@@ -184,10 +161,7 @@ def resolve_dsa_cache_dtype(cache_dtype: str) -> str:
 
 
 def check_dsa_pcp(parallel_config: Any) -> None:
-    """Refuse prefill context parallelism: a token's indexer key and MLA
-    latent would be written by the rank that owns it, through slots that
-    interleave across ranks, which the packed DSA row's block-table-derived
-    slots (``KimiK3IndexerMetadataBuilder``) do not model."""
+    """PCP's interleaved slots are not modeled by the packed row's slots."""
     pcp = getattr(parallel_config, "prefill_context_parallel_size", 1)
     if pcp > 1:
         raise NotImplementedError(
@@ -202,10 +176,7 @@ def indexer_kv_dtype_is_fp4(
     dsa: DSAConfig,
     field: str = "attention_config.indexer_kv_dtype",
 ) -> bool:
-    """Whether ``indexer_kv_dtype`` asks for MXFP4 keys, after the checks that
-    hold on any GPU (the accepted values, :func:`check_mxfp4_indexer`); the
-    config verifier and the KV plan command (``field`` names its flag) both
-    decide through this."""
+    """Whether ``indexer_kv_dtype`` asks for MXFP4 keys."""
     if requested not in DSA_INDEXER_KV_DTYPES:
         raise ValueError(
             f"{field} {requested!r} is not supported for Kimi-K3.1 DSA: accepted "
@@ -219,12 +190,8 @@ def indexer_kv_dtype_is_fp4(
 
 
 def check_indexer_kv_dtype(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
-    """Validate ``--attention-config '{"indexer_kv_dtype": ...}'``.
-
-    MXFP4 keys are written only by the fused key insert (layernorm k-norm, no
-    indexer rope) and read by DeepGEMM's FP4 MQA logits, which exist on SM10x
-    only.
-    """
+    """Validate ``--attention-config '{"indexer_kv_dtype": ...}'``; MXFP4
+    keys need DeepGEMM's FP4 MQA logits (SM10x only)."""
     from vllm.platforms import current_platform
 
     requested = getattr(vllm_config.attention_config, "indexer_kv_dtype", "auto")
@@ -248,9 +215,7 @@ def check_indexer_kv_dtype(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
 
 
 def check_sm10x_fp8_index_head_dim(dsa: DSAConfig) -> None:
-    """On SM10x DeepGEMM reads fp8 indexer keys with MX (UE8M0) scales, which
-    vLLM 0.33.0's key insert writes at head dim 128 only ("mxfp8 scales
-    require head_dim == quant_block_size == 128"), as our fused insert does."""
+    """vLLM's key insert writes SM10x's MX-scaled fp8 keys at dim 128 only."""
     from vllm.platforms import current_platform
 
     if not (
@@ -267,9 +232,7 @@ def check_sm10x_fp8_index_head_dim(dsa: DSAConfig) -> None:
 
 
 def check_topk_within_max_model_len(dsa: DSAConfig, max_model_len: int) -> None:
-    """A request holds at most ``max_model_len`` tokens to select from, and
-    the indexer's decode logits are ``max_model_len`` columns wide: a wider
-    top-k selects past every row."""
+    """A top-k wider than ``max_model_len`` selects past every row."""
     if dsa.index_topk > max_model_len:
         raise ValueError(
             f"dsa_config.index_topk ({dsa.index_topk}) must not exceed "
@@ -280,8 +243,7 @@ def check_topk_within_max_model_len(dsa: DSAConfig, max_model_len: int) -> None:
 
 
 def check_sparse_mla_heads(num_heads: int, tensor_parallel_size: int) -> None:
-    """FlashMLA sparse's fp8 decode kernel runs at most
-    :data:`SPARSE_MLA_MAX_HEADS_PER_RANK` query heads per rank."""
+    """FlashMLA sparse's fp8 decode kernel caps the query heads per rank."""
     per_rank = -(-num_heads // tensor_parallel_size)
     if per_rank > SPARSE_MLA_MAX_HEADS_PER_RANK:
         min_tp = -(-num_heads // SPARSE_MLA_MAX_HEADS_PER_RANK)
@@ -297,11 +259,7 @@ def check_sparse_mla_heads(num_heads: int, tensor_parallel_size: int) -> None:
 def check_dsa_deployment(
     text_config: Any, *, max_model_len: int, tensor_parallel_size: int
 ) -> None:
-    """The rules a DSA model and the flags it is served with must meet before
-    anything is built, shared by the config verifier and the KV plan command
-    (``kimi-k3-dsa-kv-plan``), so the plan refuses what ``vllm serve``
-    refuses: the model's own rules, what vLLM 0.33.0's kernels and decoder
-    take, top-k against ``max_model_len``, FlashMLA sparse's heads per rank."""
+    """The rules shared with ``kimi-k3-dsa-kv-plan``, which needs no engine."""
     dsa: DSAConfig = text_config.dsa_config
     check_dsa_model(dsa, text_config)
     check_dsa_serving(text_config)
@@ -310,24 +268,14 @@ def check_dsa_deployment(
 
 
 def topk_indices_buffer_rows(vllm_config: VllmConfig) -> int:
-    """Rows of the model-level top-k buffer.
-
-    ``max_num_batched_tokens`` plus, under decode context parallelism, the
-    ``W - 1`` rows of slack that allgather-k mode needs: prefill rows are padded
-    to ``ceil(P / W)`` per rank, so the gathered output takes at most ``W - 1``
-    rows more than the batch's tokens.
-    """
+    """Rows of the model-level top-k buffer, with DCP allgather slack."""
     dcp_world_size = vllm_config.parallel_config.decode_context_parallel_size
     slack = dcp_world_size - 1 if dcp_world_size > 1 else 0
     return vllm_config.scheduler_config.max_num_batched_tokens + slack
 
 
 def check_topk_buffer_budget(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
-    """The model-level top-k buffer (rows x ``index_topk`` x 4 B, int32) is
-    allocated when the model is built: check it against the memory vLLM may
-    use on the GPU first (``gpu_memory_utilization`` of its total), so that a
-    ``max_num_batched_tokens`` or top-k that would take tens of GB is refused
-    with its numbers instead of failing, or starving the KV cache, later."""
+    """Refuse a top-k buffer too large for the GPU before it is allocated."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cuda():
@@ -335,8 +283,7 @@ def check_topk_buffer_budget(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
     try:
         total = current_platform.get_device_total_memory()
     except Exception:
-        # As vLLM's own query in EngineArgs: the process that verifies the
-        # config need not sit on a GPU that serves (Ray); nothing to check.
+        # The verifying process need not sit on a serving GPU (Ray).
         return
     utilization = vllm_config.cache_config.gpu_memory_utilization
     budget = int(total * utilization)
@@ -374,21 +321,15 @@ def check_decode_backend(vllm_config: VllmConfig) -> None:
 
 
 def check_dsa_parallelism(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
-    """Decode context parallelism is refused (wrong tokens on two H200s) unless
-    :data:`EXPERIMENTAL_DCP_ENV` opts in; then each rank's top-k is merged by
-    vLLM's DCP merge, which takes only a few top-k widths and needs CuTe DSL.
-
-    Not for the KDA layers: vLLM 0.33.0 keeps a KDA state whole on every DCP
-    rank (its ``MambaSpec`` is not DCP-sharded; ``MambaBase.supports_dcp`` is
-    never read), and plain Kimi K3 passes its DCP configuration checks."""
+    """Decode context parallelism is refused unless explicitly opted in."""
     dcp = vllm_config.parallel_config.decode_context_parallel_size
     if dcp <= 1:
         return
     if not experimental_dcp():
         raise ValueError(
             f"--decode-context-parallel-size {dcp} is not supported for Kimi K3.1 "
-            "DSA: on two H200s it produced wrong tokens (NaN logits for prompts "
-            "longer than index_topk, docs/serving.md); serve with "
+            "DSA: it produces wrong tokens (NaN logits for prompts longer than "
+            "index_topk); serve with "
             "decode_context_parallel_size 1. Developers reproducing it can set "
             f"{EXPERIMENTAL_DCP_ENV}=1"
         )
@@ -401,8 +342,7 @@ def check_dsa_parallelism(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
     from vllm.platforms import current_platform
     from vllm.utils.import_utils import has_cutedsl
 
-    # The merge has no PyTorch fallback: without CuTe DSL vLLM raises on the
-    # first forward, after the weights and the cache are in place.
+    # The merge has no PyTorch fallback.
     if current_platform.is_cuda() and not has_cutedsl():
         raise ValueError(
             f"--decode-context-parallel-size {dcp} needs CuTe DSL (the "
@@ -412,13 +352,11 @@ def check_dsa_parallelism(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
         )
 
 
-# attention_config knobs of other sparse models, refused for Kimi K3.1 when
-# set (a knob left at its default does nothing), -> whose they are.
+# Other sparse models' attention_config knobs, refused when set -> owner.
 FOREIGN_ATTENTION_KNOBS: dict[str, str] = {
     "indexer_sparse_logits": "DeepSeek V4.1's two-level indexer",
     "minimax_m3_indexer_cp": "MiniMax M3's context-parallel indexer",
 }
-# The sparse-attention knobs Kimi K3.1 reads.
 DSA_ATTENTION_KNOBS = (
     "indexer_kv_dtype",
     "indexer_tp_shard_min_rows",
@@ -440,12 +378,8 @@ def check_attention_knobs(attention_config: Any) -> None:
 
 def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
     """Refuse what cannot be served and force the cache format, for a Kimi
-    K3.1 model; a no-op for any other model.
-
-    Runs at config verification, before the model exists: the runner resolves
-    the KV cache dtype from ``cache_config.cache_dtype`` before the layers are
-    built, so switching it inside the model would size the cache wrongly.
-    """
+    K3.1 model; a no-op for any other model. Runs before the model exists,
+    because the runner resolves the KV cache dtype before the layers."""
     from vllm.platforms import current_platform
 
     model_config = vllm_config.model_config
@@ -485,14 +419,7 @@ def verify_dsa_vllm_config(vllm_config: VllmConfig) -> None:
 
 
 def verify_mtp_draft(model_config: ModelConfig) -> None:
-    """Refuse a Kimi K3 MTP draft of a checkpoint that has no MTP layer
-    (Kimi K3.1 or plain Kimi K3).
-
-    Runs when the draft's model config is built (its model verifier), before
-    vLLM 0.33.0's ``SpeculativeConfig`` divides ``num_speculative_tokens`` by
-    the draft's layer count (``ZeroDivisionError`` at 0, which is also the
-    default when the key is absent) or builds a draft with no layer (null).
-    """
+    """Refuse an MTP draft of a checkpoint without MTP layers."""
     text_config = getattr(model_config, "hf_text_config", None)
     layers = getattr(text_config, "num_nextn_predict_layers", None)
     if type(layers) is not int or layers < 1:
@@ -505,10 +432,7 @@ def verify_mtp_draft(model_config: ModelConfig) -> None:
 
 
 def refuse_text_only_draft(model_config: ModelConfig) -> None:
-    """Refuse a speculative draft built from a text-only Kimi K3 checkpoint
-    (``KimiLinearForCausalLM``): vLLM 0.33.0 drafts Kimi K3 only with the
-    MTP layers of the ``KimiK3ForConditionalGeneration`` checkpoint, and
-    would otherwise stop on "Unsupported speculative method"."""
+    """vLLM 0.33.0 drafts Kimi K3 only with the multimodal checkpoint."""
     if getattr(model_config, "spec_target_max_model_len", None) is None:
         return  # the target model, not a draft
     raise ValueError(

@@ -2,29 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Kimi K3.1 DSA (DeepSeek Sparse Attention) for the kimi_k3 stack.
 
-The 24 full-attention layers of Kimi K3.1 keep Kimi K3's MLA projections and
-gain a lightning indexer whose top-k selects the tokens sparse MLA attends to.
-The layer goes through ``MultiHeadLatentAttentionWrapper`` with
-``MLAModules(is_sparse=True)``, so vLLM's FlashMLA sparse backend reads the
-``fp8_ds_mla`` cache and the top-k buffer.
-
-Classes:
-
-* :class:`KimiK3DSAAttention` (here): the MLA projections of the dense Kimi K3
-  MLA plus the indexer; the wrapper forward, or the fused forward
-  (:mod:`.dsa_fused`) after :meth:`KimiK3DSAAttention.pack_projections`.
-* :class:`KimiK3DSAIndexer` and :class:`KimiK3DSAIndexerKNorm`
-  (:mod:`.dsa_indexer`): the indexer's projections, key norm and key cache.
-
-The ops the layers run (the fused prologue, the key insert, the query
-quantization; ``dsa_fused_prologue`` / ``mxfp4_fused_prologue`` and so on, one
-name per key format) are our kernels' entry points in
-:mod:`vllm.models.kimi_k3.nvidia.dsa_ops`, importable from here too.
-
-What vLLM 0.33.0 cannot host is feature-detected, never an
-``AttributeError``: ShardQ (``sparse_mla_shard_q``) is requested only from a
-wrapper whose signature takes ``shardq_eligible`` (0.33.0's does not), and
-``use_shardq`` is read with ``getattr``.
+Kimi K3's MLA plus a lightning indexer whose top-k selects the tokens sparse
+MLA attends to, through ``MLAModules(is_sparse=True)``. Upstream APIs newer
+than 0.33.0 (ShardQ) are feature-detected.
 """
 
 from __future__ import annotations
@@ -81,7 +61,6 @@ __all__ = [
     "padded_num_heads",
     "use_kimi_k3_mla_backend",
 ]
-# The kernels' public ops (imported above), importable from here too.
 __all__ += dsa_ops.__all__
 
 logger = init_logger(__name__)
@@ -95,9 +74,7 @@ def padded_num_heads(num_heads: int, tp_size: int) -> int:
 def make_topk_indices_buffer(
     vllm_config: VllmConfig, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """The int32 ``[rows, index_topk]`` top-k buffer every DSA layer of a
-    model shares: its indexer writes it, its sparse MLA reads it. The model
-    allocates one and passes it to each layer (``topk_indices_buffer=``)."""
+    """The int32 ``[rows, index_topk]`` buffer a model's DSA layers share."""
     settings = resolve_dsa_settings(vllm_config)
     if device is None:
         device = current_platform.device_type or "cpu"
@@ -109,9 +86,8 @@ def make_topk_indices_buffer(
 
 
 def _accepts_kwarg(fn: Any, name: str) -> bool:
-    """Whether ``fn`` names the parameter ``name`` (feature detection of
-    upstream APIs newer than 0.33.0; a bare ``**kwargs`` does not count, it
-    may forward the keyword somewhere that refuses it)."""
+    """Whether ``fn`` names the parameter ``name`` (a bare ``**kwargs`` may
+    forward it somewhere that refuses it)."""
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -120,21 +96,7 @@ def _accepts_kwarg(fn: Any, name: str) -> bool:
 
 
 class KimiK3DSAAttention(nn.Module):
-    """Kimi K3.1 DSA (DeepSeek Sparse Attention) inference path.
-
-    Same MLA projections as the dense Kimi-K3 MLA path, plus the DSA indexer
-    wired through ``MLAModules(is_sparse=True)`` so the FlashMLA sparse
-    backend consumes the top-k indices.
-
-    ``topk_indices_buffer`` and ``index_group_builder`` are the model-level
-    top-k buffer and sparse-MLA index-group builder shared by every DSA layer
-    (as 0.33.0's DeepSeek V3.2 model does); without a buffer the layer
-    allocates a private one and warns, without a builder 0.33.0's sparse MLA
-    impl builds a per-layer one.
-
-    ShardQ is requested from the wrapper only when the wrapper takes
-    ``shardq_eligible`` (not in 0.33.0); see the module docstring.
-    """
+    """Kimi K3.1 DSA attention: Kimi K3's MLA projections plus the indexer."""
 
     def __init__(
         self,
@@ -192,8 +154,6 @@ class KimiK3DSAAttention(nn.Module):
         self.index_head_dim = dsa_config.index_head_dim
         self.index_num_heads = dsa_config.index_num_heads
         self.index_rope_dim = dsa_config.index_rope_dim
-        # The config checks (DSAConfig.from_dict, check_dsa_model) refuse
-        # these first; a layer built from another config meets them here.
         if self.index_rope_dim > 0 and self.use_nope:
             raise ValueError(
                 "dsa_config.index_rope_dim > 0 is incompatible with "
@@ -206,7 +166,6 @@ class KimiK3DSAAttention(nn.Module):
                 f"not exceed min(qk_rope_head_dim={self.qk_rope_head_dim}, "
                 f"index_head_dim={self.index_head_dim})"
             )
-        # Kimi K3.1 has no index share: every DSA layer runs its own indexer.
         index_topk_freq = getattr(dsa_config, "index_topk_freq", 1)
         if index_topk_freq not in (None, 1):
             raise NotImplementedError(
@@ -244,13 +203,9 @@ class KimiK3DSAAttention(nn.Module):
         use_kimi_k3_mla_backend(self.mla_attn.mla_attn)
 
         indexer = self.dsa_indexer
-        # Dense-MHA prefills never read the top-k indices (PCP excluded, as
-        # upstream). Our indexer has no ``indexer_op``, so the wrapper leaves
-        # this to us.
+        # Dense-MHA prefills never read the top-k indices (PCP excluded).
         if not indexer.use_pcp:
             indexer.dense_mha_metadata_layer_name = self.mla_attn.mla_attn.layer_name
-        # ShardQ: the indexer cache follows the MLA layer's split (never on
-        # 0.33.0, whose MLAAttention has no use_shardq).
         if getattr(self.mla_attn.mla_attn, "use_shardq", False):
             indexer.k_cache.use_shardq = True
 
@@ -260,7 +215,6 @@ class KimiK3DSAAttention(nn.Module):
         )
         self.aux_stream = aux_stream
         self._gate_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        # Set by pack_projections(): the packed input and query weights.
         self._packed: list[torch.Tensor] | None = None
 
     def _init_projections(
@@ -270,8 +224,7 @@ class KimiK3DSAAttention(nn.Module):
         reduce_results: bool,
         prefix: str,
     ) -> None:
-        """The MLA projections, as the dense Kimi K3 MLA's (the output gate
-        apart: it is its own linear here)."""
+        """The MLA projections; the output gate is its own linear."""
 
         def linear(
             cls: type[nn.Module],
@@ -280,7 +233,6 @@ class KimiK3DSAAttention(nn.Module):
             name: str,
             **kwargs: Any,
         ) -> Any:
-            # Every projection is bias-free, quantized alike, named by prefix.
             return cls(
                 in_features,
                 out_features,
@@ -291,8 +243,6 @@ class KimiK3DSAAttention(nn.Module):
             )
 
         if self.q_lora_rank is not None:
-            # Latent projections are replicated; q_b_proj / kv_b_proj split
-            # the heads across TP ranks.
             self.fused_qkv_a_proj = linear(
                 MergedColumnParallelLinear,
                 self.hidden_size,
@@ -342,10 +292,7 @@ class KimiK3DSAAttention(nn.Module):
         prefix: str,
     ) -> None:
         """The rotary embedding (NoPE: none) and the output gate."""
-        # Kimi K3's full-attention layers are NoPE. The rope branch serves
-        # checkpoints whose MLA uses positions (GPT-J interleaved pairing; a
-        # scaled rope becomes deepseek_yarn, whose mscale enters the softmax
-        # scale).
+        # Kimi K3 is NoPE; a scaled rope becomes deepseek_yarn.
         rope_parameters: dict[str, Any] = dict(
             getattr(config, "rope_parameters", None) or {}
         )
@@ -374,8 +321,6 @@ class KimiK3DSAAttention(nn.Module):
             mscale = yarn_get_mscale(scaling_factor, float(mscale_all_dim))
             self.scaling = self.scaling * mscale * mscale
 
-        # Full-rank output gate (v_head_dim * num_heads), as the dense Kimi K3
-        # MLA's g_proj; a standalone linear here, not part of fused_qkv_a_proj.
         if config.mla_use_output_gate:
             self.g_proj = ColumnParallelLinear(
                 self.hidden_size,
@@ -390,8 +335,6 @@ class KimiK3DSAAttention(nn.Module):
     ) -> torch.Tensor:
         """The model-level top-k buffer, or a per-layer fallback."""
         if topk_indices_buffer is None:
-            # Hosts that build the decoder layer directly pass no buffer; the
-            # model path always passes the one model-level buffer.
             logger.warning_once(
                 "KimiK3DSAAttention did not receive a model-level "
                 "topk_indices_buffer; allocating a per-layer fallback."
@@ -406,11 +349,7 @@ class KimiK3DSAAttention(nn.Module):
         prefix: str,
         index_group_builder: Any | None,
     ) -> None:
-        """vLLM's MLA wrapper in sparse mode: FlashMLA sparse reads the
-        ``fp8_ds_mla`` cache at the indexer's top-k tokens."""
-        # fp8_ds_mla is forced at config verification (the Kimi K3 verifier of
-        # the vllm.plugins.kimi_k3_dsa seams): the runner sizes the cache from
-        # cache_config.cache_dtype before the model exists.
+        """vLLM's MLA wrapper in sparse mode."""
         has_q_lora = self.q_lora_rank is not None
         mla_modules = MLAModules(
             kv_a_layernorm=self.kv_a_layernorm,
@@ -449,27 +388,17 @@ class KimiK3DSAAttention(nn.Module):
         )
 
     def fused_forward_blockers(self) -> list[str]:
-        """The conditions of :meth:`pack_projections` that do not hold (empty
-        when the fused forward can switch on)."""
+        """Why :meth:`pack_projections` would decline (empty: it will not)."""
         return dsa_fused.fused_forward_blockers(self)
 
     def pack_projections(self) -> None:
         """Enable the fused forward (as DeepseekV32Attention): pack
         ``[q_a | kv_a | wk | weights_proj]`` and ``[q_b | wq_index]`` into one
-        weight each, the linears becoming views. Other configurations keep the
-        wrapper forward.
-
-        It switches on only with: the fused key insert, no DCP, q-LoRA, NoPE,
-        the output gate, an ``fp8_ds_mla`` cache, no HiSparse, weights neither
-        pre-processed nor offloaded, one eps for the three norms, unquantized
-        linears and ``vllm._kimi_k3_C`` loaded. A rerun (after a weight reload:
-        the loader refilled the views in place) is a no-op.
-        """
+        weight each, the linears becoming views. Idempotent."""
         if self._packed is not None:
             return
         blockers = self.fused_forward_blockers()
         if blockers:
-            # Once per process: every DSA layer of a model declines alike.
             logger.info_once(
                 "Kimi K3.1 DSA layers use the wrapper forward (upstream ops): %s.",
                 "; ".join(blockers),
@@ -487,8 +416,7 @@ class KimiK3DSAAttention(nn.Module):
     ) -> torch.Tensor:
         if self._packed is None:
             return self.mla_attn(positions, hidden_states)
-        # As in the dense Kimi K3 MLA: for small batches the output-gate GEMM
-        # overlaps the attention front-end on the aux stream.
+        # Small batches overlap the output-gate GEMM on the aux stream.
         if (
             self._gate_events is not None
             and hidden_states.shape[0] < _GATE_MULTI_STREAM_TOKEN_THRESHOLD
@@ -509,8 +437,7 @@ class KimiK3DSAAttention(nn.Module):
 
 
 def use_kimi_k3_mla_backend(attn: Any) -> None:
-    """Give a DSA layer's MLA attention our FlashMLA sparse subclass, so that
-    the runner may split the packed row's MLA pages into kernel pages (and
-    remaps their slots); any other backend is left alone."""
+    """Give a DSA layer's MLA attention our FlashMLA sparse subclass, whose
+    MLA pages the runner may split into kernel pages."""
     if getattr(attn, "attn_backend", None) is FlashMLASparseBackend:
         attn.attn_backend = KimiK3FlashMLASparseBackend

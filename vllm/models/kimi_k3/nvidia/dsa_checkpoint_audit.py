@@ -2,18 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What Kimi K3's full-attention layers receive from the checkpoint, checked.
 
-vLLM 0.33.0's loader loads whatever arrives: a missing MLA projection leaves
-its parameter uninitialized (the every-parameter check is skipped for
-quantized models and exempts linear weights), a tensor given twice loads the
-last copy, a NaN loads, and a tensor the model has no parameter for ends in a
-bare ``KeyError``. :class:`AttentionCheckpointAudit` sees every tensor on its
-way to the loader and, for each full-attention layer (DSA or dense MLA),
-refuses a non-finite value, and a second copy with other values in the
-same ``load_weights`` call, at once;
-:func:`raise_missing_attention_tensors` refuses, after loading, a layer that
-got some of its tensors but not all; the loader hook (:mod:`.dsa_weights`)
-names the checkpoint tensor behind a ``KeyError`` (:attr:`last_name`). The
-indexer's own tensors are checked by :mod:`.dsa_weight_router`.
+vLLM 0.33.0's loader loads whatever arrives: a missing MLA projection stays
+uninitialized, a second copy overwrites, a NaN loads. The audit refuses
+non-finite values and conflicting copies as they stream past, and
+incomplete layers after loading.
 """
 
 from __future__ import annotations
@@ -65,13 +57,11 @@ def is_full_attention(module: nn.Module | None) -> bool:
 
 @dataclass
 class AttentionCheckpointState:
-    """What one full-attention layer got, kept on the layer across
-    ``load_weights`` calls."""
+    """What one full-attention layer got, across ``load_weights`` calls."""
 
     checkpoint_prefix: str
     label: str
     expected: frozenset[str]
-    # Checkpoint module -> the names of its tensors that arrived.
     seen: dict[str, set[str]] = field(default_factory=dict)
 
     def missing(self) -> list[str]:
@@ -91,8 +81,7 @@ def _values(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _fingerprint(values: torch.Tensor) -> tuple[float, ...]:
-    """Sums that two copies differing anywhere differ in, but for a
-    vanishing chance."""
+    """Sums in which two differing copies differ, but for a vanishing chance."""
     half = values[: values.numel() // 2]
     return tuple(
         float(x)
@@ -105,9 +94,7 @@ def _fingerprint(values: torch.Tensor) -> tuple[float, ...]:
 
 
 class AttentionCheckpointAudit:
-    """Checks the tensors of ``layers`` (checkpoint prefix, e.g.
-    ``layers.3.self_attn.``, -> (label, attention module)) as they stream
-    past (:meth:`watch`)."""
+    """Checks the tensors of ``layers`` as they stream past (:meth:`watch`)."""
 
     def __init__(self, layers: dict[str, tuple[str, nn.Module]]) -> None:
         self.states: dict[str, AttentionCheckpointState] = {}
@@ -120,8 +107,7 @@ class AttentionCheckpointAudit:
                 setattr(attn, STATE_ATTR, state)
             self.states[ckpt] = state
         self.last_name: str | None = None
-        # Checkpoint name -> fingerprint of its values, in this call only: a
-        # later call (a weight refit) brings new values for the same names.
+        # Per call: a weight refit brings new values for the same names.
         self.fingerprints: dict[str, tuple[float, ...]] = {}
 
     def watch(self, weights: Iterable[WeightItem]) -> Iterator[WeightItem]:
@@ -155,8 +141,8 @@ class AttentionCheckpointAudit:
 def full_attention_layers(
     candidates: Iterable[tuple[str, str, nn.Module | None]],
 ) -> dict[str, tuple[str, nn.Module]]:
-    """Checkpoint prefix -> (label, layer) of the candidates ``(checkpoint
-    prefix, parameter prefix, attention or None)`` that are MLA layers."""
+    """Checkpoint prefix -> (label, layer) of the candidates that are MLA
+    layers."""
     return {
         ckpt: (param.rstrip("."), attn)
         for ckpt, param, attn in candidates
@@ -165,9 +151,8 @@ def full_attention_layers(
 
 
 def raise_missing_attention_tensors(model: nn.Module) -> None:
-    """Every full-attention layer under ``model`` that got checkpoint tensors
-    got each MLA projection and norm (a layer that got none, e.g. under
-    ``--load-format dummy`` or on another pipeline stage, is not checked)."""
+    """Every full-attention layer that got checkpoint tensors got each MLA
+    projection and norm."""
     for module in model.modules():
         state = getattr(module, STATE_ATTR, None)
         if state is None or not state.seen:

@@ -1,15 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The fused forward of a Kimi K3.1 DSA layer.
-
-After loading, :meth:`KimiK3DSAAttention.pack_projections` packs
-``[q_a | kv_a | wk | weights_proj]`` and ``[q_b | wq_index]`` into one weight
-each (the linears become views), when :func:`fused_forward_blockers` finds
-nothing in the way. A step then runs: the packed input GEMM, our fused
-prologue (the three norms, the ``fp8_ds_mla`` and indexer key inserts, the
-top-k row fill), the packed query GEMM, the indexer's scoring and sparse MLA.
-The wrapper forward (upstream ops only) serves every other configuration.
-"""
+"""The fused forward of a Kimi K3.1 DSA layer: packed input GEMM, fused
+prologue, packed query GEMM, indexer scoring and sparse MLA. Every other
+configuration serves the wrapper forward (upstream ops only)."""
 
 from __future__ import annotations
 
@@ -39,21 +32,16 @@ from vllm.models.kimi_k3.nvidia.dsa_ops import (
 from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.attention.backends.mla import indexer as v32_indexer
 
-# The functions below take a ``KimiK3DSAAttention`` (``layer``), typed as
-# ``nn.Module``: the layer module imports this one, never the reverse.
+# ``layer`` is typed nn.Module: the layer module imports this one.
 
 
 def kimi_k3_extension_available() -> bool:
-    """Whether ``vllm._kimi_k3_C`` (our CUDA kernels) is built, loads and
-    holds machine code for this GPU. Without it (a CPU machine, a build
-    without nvcc or without this GPU's architecture) the fused forward does
-    not switch on and the wrapper path serves with upstream ops only."""
+    """Whether ``vllm._kimi_k3_C`` loads and runs on this GPU."""
     return dsa_extension.unavailable_reason() is None
 
 
 def _norm_eps(norm: nn.Module) -> float | None:
-    """The epsilon of an RMSNorm (``variance_epsilon``; 0.33.0's RMSNorm has no
-    ``eps``) or of a LayerNorm (``eps``)."""
+    """The epsilon of an RMSNorm (``variance_epsilon``) or a LayerNorm."""
     eps = getattr(norm, "eps", None)
     if eps is None:
         eps = getattr(norm, "variance_epsilon", None)
@@ -140,11 +128,8 @@ def pack_projections(layer: nn.Module) -> list[torch.Tensor]:
 
 
 def fused_attention(layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Packed GEMM, the fused prologue (norms, both cache inserts, top-k
-    fill), packed query GEMM, indexer scoring, sparse MLA."""
+    """The fused forward of ``layer`` (packed by :func:`pack_projections`)."""
     if layer.q_lora_rank is None or layer._packed is None:
-        # fused_forward_blockers refuses a layer without q-LoRA, and the
-        # layer packs its projections before it switches this path on.
         raise RuntimeError(
             "Kimi-K3.1 DSA fused forward of a layer without q-LoRA or packed "
             "projections"

@@ -2,23 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The Kimi K3.1 DSA lightning indexer: its projections, key norm and key cache.
 
-:class:`KimiK3DSAIndexer` scores every cached token of a request with the
-indexer query and keeps the top ``index_topk`` (into the model-level top-k
-buffer that sparse MLA reads). It drives ``kimi_k3_sparse_attn_indexer``
-(vLLM's ``sparse_attn_indexer`` steps with a deterministic top-k,
-:mod:`.dsa_indexer_op`) over a ``DeepseekV32IndexerCache`` subclass; with
-``vllm._kimi_k3_C`` built, the key is normed, quantized and inserted by our
-fused kernel instead of the op.
-
-Checkpoints name the weights ``self_attn.indexer.{wq_b, wk, weights_proj,
-k_norm}``; the module tree keeps ``self_attn.dsa_indexer.{wq_index,
-wkv_index, k_index_norm}`` (``wkv_index`` = ``[wk | weights_proj]``), and the
-model's ``load_weights`` renames into it.
-
-Upstream pieces newer than 0.33.0 are feature-detected, never assumed: the
-specialized DCP top-k merge (``init_dcp_topk_merge``; without it the op's
-generic merge runs) and ShardQ's per-rank rows (``use_shardq``,
-``shardq_gather_indices``; 0.33.0 never sets them).
+Upstream pieces newer than 0.33.0 (the specialized DCP top-k merge, ShardQ)
+are feature-detected, never assumed.
 """
 
 from __future__ import annotations
@@ -62,8 +47,7 @@ logger = init_logger(__name__)
 
 
 def _extension_loaded() -> bool:
-    """Whether ``vllm._kimi_k3_C`` loads and runs on this GPU, for the key
-    insert's selection."""
+    """Whether ``vllm._kimi_k3_C`` loads and runs on this GPU."""
     return dsa_extension.unavailable_reason() is None
 
 
@@ -74,12 +58,7 @@ def fused_k_insert_blockers(
     index_head_dim: int,
     index_num_heads: int,
 ) -> list[str]:
-    """Why the indexer cannot use our fused key insert (empty: it can).
-
-    Upstream's selection (no PCP, LayerNorm k-norm, no indexer rope) plus
-    what our kernels need: ``vllm._kimi_k3_C`` loaded and the shapes it was
-    compiled for.
-    """
+    """Why the indexer cannot use our fused key insert (empty: it can)."""
     blockers = []
     if force_wrapper_forward():
         blockers.append(f"{FORCE_WRAPPER_ENV}=1")
@@ -98,25 +77,14 @@ def fused_k_insert_blockers(
 
 
 def _upstream_init_dcp_topk_merge() -> Any:
-    """Upstream's ``init_dcp_topk_merge`` where the installed vLLM has it
-    (0.33.0 does not), else None."""
+    """Upstream's ``init_dcp_topk_merge`` where the installed vLLM has it."""
     module = importlib.import_module("vllm.model_executor.layers.sparse_attn_indexer")
     return getattr(module, "init_dcp_topk_merge", None)
 
 
 class KimiK3DSAIndexer(nn.Module):
-    """wq / wkv indexer projections + the indexer key cache
-    (``KimiK3IndexerCache``, a ``DeepseekV32IndexerCache``).
-
-    Forward quantizes the indexer query, folds the scales into the per-head
-    weights and drives ``torch.ops.vllm.kimi_k3_sparse_attn_indexer``
-    directly (the upstream ``deepseek_v2.Indexer`` pattern).
-
-    ``dcp_local_topk`` (the specialized DCP decode merge) comes from upstream's
-    ``init_dcp_topk_merge`` where it exists; on 0.33.0 it is 0 and the op's
-    generic merge runs. ShardQ rows are read with ``getattr`` and only when
-    the cache was marked for ShardQ, which 0.33.0 never does.
-    """
+    """Indexer projections, key cache, and the drive of
+    ``kimi_k3_sparse_attn_indexer`` (the ``deepseek_v2.Indexer`` pattern)."""
 
     def __init__(
         self,
@@ -138,11 +106,8 @@ class KimiK3DSAIndexer(nn.Module):
         self.index_head_dim = index_head_dim
         self.index_num_heads = index_num_heads
         self.indexer_weight_scale = self.index_num_heads**-0.5
-        # MLAModules contract: the wrapper asserts the indexer has topk_tokens.
         self.topk_tokens = index_topk
-        # Leading dims of every head that get RoPE (neox pairing with the main
-        # attention's cos_sin_cache: checkpoints are pair-permuted at
-        # conversion). 0 = no indexer rope; the forward is then unchanged.
+        # 0 = no indexer rope; the checkpoint is pair-permuted for neox.
         if index_rope_dim < 0 or index_rope_dim % 2 != 0:
             raise ValueError(
                 f"dsa_config.index_rope_dim must be even and >= 0, got {index_rope_dim}"
@@ -153,8 +118,6 @@ class KimiK3DSAIndexer(nn.Module):
                 f"exceed index_head_dim ({index_head_dim})"
             )
         self.index_rope_dim = index_rope_dim
-        # wq_index may be fp8 block-quantized in fp8 checkpoints; wk and
-        # weights_proj are bf16 and share one GEMM.
         self.wq_index = ReplicatedLinear(
             index_q_input_size,
             self.index_num_heads * self.index_head_dim,
@@ -187,12 +150,10 @@ class KimiK3DSAIndexer(nn.Module):
         self.scale_fmt = "ue8m0"
         self.quant_block_size = self.index_head_dim
         self.index_softmax_scale = self.index_head_dim**-0.5
-        # DeepGEMM's indexer kernels take 32 or 64 heads: zero-pad up to that.
+        # DeepGEMM's indexer kernels take 32 or 64 heads.
         self.padded_index_num_heads = dsa_settings.padded_index_heads(
             self.index_num_heads
         )
-        # fp8 keys by default; MXFP4 keys and queries only on an explicit
-        # indexer_kv_dtype='mxfp4'.
         self.use_fp4_cache = dsa_settings.resolve_dsa_settings(vllm_config).indexer_fp4
         self.k_cache = dsa_cache.KimiK3IndexerCache(
             head_dim=dsa_cache.indexer_cache_entry_bytes(
@@ -205,15 +166,11 @@ class KimiK3DSAIndexer(nn.Module):
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_total_seq_len = v32_indexer.get_max_prefill_buffer_size(vllm_config)
         self.topk_indices_buffer = topk_indices_buffer
-        # As 0.33.0's SparseAttnIndexer: the allgather-k path under PCP.
         self.use_pcp = vllm_config.parallel_config.prefill_context_parallel_size > 1
         # Set by KimiK3DSAAttention to skip scoring dense-MHA prefills.
         self.dense_mha_metadata_layer_name = ""
         self.topk_backend = vllm_config.kernel_config.sparse_indexer_topk_backend
-        # The fused insert normalizes and quantizes the key itself; PCP needs
-        # the op to gather the unquantized key instead. Upstream's selection,
-        # plus our extension: without vllm._kimi_k3_C the key is normed here
-        # and 0.33.0's op inserts it (fp8 only), the wrapper path.
+        # Without the fused insert 0.33.0's op inserts the key (fp8 only).
         self.k_insert_blockers = fused_k_insert_blockers(
             self.use_pcp,
             index_k_norm_type,
@@ -235,14 +192,11 @@ class KimiK3DSAIndexer(nn.Module):
                 "the shapes it takes), which this layer cannot use: "
                 f"{'; '.join(self.k_insert_blockers)}. Use indexer_kv_dtype='fp8'."
             )
-        # DCP, as 0.33.0's SparseAttnIndexer: the op merges each rank's local
-        # top-k into the global one (_merge_dcp_topk_global).
         self._parallel_config = vllm_config.parallel_config
         self.dcp_world_size = self._parallel_config.decode_context_parallel_size
         self.dcp_rank = get_dcp_group().rank_in_group if self.dcp_world_size > 1 else 0
         self._cp_kv_cache_interleave_size: int | None = None
-        # The specialized decode merge of the packed local top-N, where
-        # upstream has it; 0 keeps the generic merge (always on 0.33.0).
+        # 0 keeps the op's generic merge (always on 0.33.0).
         init_dcp_topk_merge = _upstream_init_dcp_topk_merge()
         self.dcp_local_topk = (
             init_dcp_topk_merge(vllm_config, index_topk)
@@ -251,8 +205,7 @@ class KimiK3DSAIndexer(nn.Module):
         )
 
     def required_topk_indices_buffer(self) -> torch.Tensor:
-        """The model's top-k buffer, which the key writers fill with -1 for
-        the step's rows; a layer built without it cannot write its cache."""
+        """The model's top-k buffer; required to write the cache."""
         if self.topk_indices_buffer is None:
             raise RuntimeError(
                 f"{self.k_cache.prefix}: the indexer was built without the "
@@ -262,11 +215,7 @@ class KimiK3DSAIndexer(nn.Module):
 
     @property
     def cp_kv_cache_interleave_size(self) -> int:
-        """The parallel config's value, cached once a real batch runs.
-
-        vLLM finalizes it after block-size setup, ahead of warmup (0.33.0's
-        SparseAttnIndexer reads it eagerly on each call instead).
-        """
+        """The parallel config's value, cached once a real batch runs."""
         if self._cp_kv_cache_interleave_size is None:
             value = self._parallel_config.cp_kv_cache_interleave_size
             if isinstance(get_forward_context().attn_metadata, dict):
@@ -281,14 +230,7 @@ class KimiK3DSAIndexer(nn.Module):
         positions: torch.Tensor,
         rotary_emb: nn.Module,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE on the leading ``index_rope_dim`` dims of each head, in place.
-
-        The leading ``index_rope_dim // 2`` frequencies of the main
-        attention's ``cos_sin_cache`` (training reuses the leading freqs of the
-        main freqs_cis), fp32 arithmetic, cast back; neox (half-split)
-        pairing. ``index_q [T, H, D]``; ``index_k [T, D]``, already normed
-        (training order: norm, then rope).
-        """
+        """In-place neox RoPE on the leading ``index_rope_dim`` dims."""
         index_rope.index_rope(
             index_q,
             index_k,
@@ -300,10 +242,8 @@ class KimiK3DSAIndexer(nn.Module):
         return index_q, index_k
 
     def _shardq_indexer_rows(self) -> torch.Tensor | None:
-        """The rows a ShardQ step scores on this rank, or None: outside
-        ShardQ (always on 0.33.0), in CUDA-graph capture or replay (a graph
-        would bake in the capture batch's rows), or when the metadata has no
-        ``shardq_gather_indices``."""
+        """The rows a ShardQ step scores on this rank, or None (also under CUDA
+        graphs, which would bake in the capture batch's rows)."""
         if not getattr(self.k_cache, "use_shardq", False):
             return None
         forward_context = get_forward_context()
@@ -321,11 +261,9 @@ class KimiK3DSAIndexer(nn.Module):
         return getattr(prefill, "shardq_gather_indices", None)
 
     def _fused_k_insert(self, index_k: torch.Tensor, num_tokens: int) -> None:
-        """LayerNorm + quantize + insert of the keys, and the -1 fill of the
-        top-k rows, in one kernel."""
+        """LayerNorm, quantize and insert the keys in one kernel."""
         attn_metadata = get_forward_context().attn_metadata
         kv_cache = self.k_cache.kv_cache
-        # Dummy / profiling run: the op leaves the cache and buffer alone too.
         if not isinstance(attn_metadata, dict) or kv_cache.numel() == 0:
             return
         metadata = attn_metadata[self.k_cache.prefix]
@@ -358,10 +296,8 @@ class KimiK3DSAIndexer(nn.Module):
         rotary_emb: nn.Module | None = None,
     ) -> torch.Tensor:
         if index_q_input is None:
-            # No q-LoRA: the wrapper passes q_c=None, the query reads
-            # hidden_states.
+            # No q-LoRA: the query reads hidden_states.
             index_q_input = hidden_states
-        # A ShardQ step scores this rank's rows only (never on 0.33.0).
         rows = self._shardq_indexer_rows() if self.use_fused_k_insert else None
         if rows is not None:
             index_q_input = index_q_input[rows]
@@ -397,8 +333,7 @@ class KimiK3DSAIndexer(nn.Module):
         index_weights: torch.Tensor,
         index_k: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Top-k of the current rows into ``topk_indices_buffer``; ``index_k`` is
-        None when the key was already inserted (``use_fused_k_insert``)."""
+        """Top-k of the current rows into ``topk_indices_buffer``."""
         weight_scale = self.index_softmax_scale * self.indexer_weight_scale
         q_scale: torch.Tensor | None = None
         if self.use_fp4_cache:
@@ -409,9 +344,7 @@ class KimiK3DSAIndexer(nn.Module):
             q_quant, weights = indexer_q_quant_fold_weights(
                 index_q, index_weights, weight_scale, self.padded_index_num_heads
             )
-        # Inserts the keys (unless fused) and writes the top-k into the shared
-        # buffer in canonical form (dsa_indexer_op). In a dummy run kv_cache is
-        # an empty placeholder and the op only reserves its workspace.
+        # In a dummy run the op only reserves its workspace.
         return torch.ops.vllm.kimi_k3_sparse_attn_indexer(
             hidden_states,
             _encode_layer_name(self.k_cache.prefix),
@@ -438,14 +371,7 @@ class KimiK3DSAIndexer(nn.Module):
 
 
 class KimiK3DSAIndexerKNorm(nn.Module):
-    """Bias-full fp32 LayerNorm for the DSA indexer shared key.
-
-    ``F.layer_norm(x.float(), (dim,), weight, bias, eps).type_as(x)``: fp32
-    compute, cast back to the input dtype. ``weight`` and ``bias`` are stored
-    in fp32 (the same numbers as casting per forward). Selected by
-    ``dsa_config.index_k_norm_type == "layernorm"``; ``"rmsnorm"`` checkpoints
-    keep vLLM's RMSNorm.
-    """
+    """fp32 LayerNorm with bias for the indexer key."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

@@ -1,18 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The Kimi K3.1 indexer's scoring op: vLLM's ``sparse_attn_indexer`` with a
-deterministic top-k.
-
-vLLM's top-k kernels keep an arbitrary one of several equal scores at the
-k-th value and write a row in an order that changes from run to run; sparse
-MLA sums in index order, so the same prompt gave different logprobs. Kimi
-K3.1's indexer has no rope: equal keys, and equal scores, are common. This
-op runs the steps of vLLM 0.33.0's op that Kimi K3.1 uses (key insert,
-prefill chunks with TP row sharding, decode) and puts every top-k row in the
-canonical form of ``dsa_ops.canonical_topk`` before sparse MLA reads it.
-Dummy runs and decode context parallelism (refused unless experimental) go
-to vLLM's op unchanged.
-"""
+deterministic top-k (``dsa_ops.canonical_topk``), since vLLM's top-k order and
+tie choice vary run to run and sparse MLA sums in index order."""
 
 import torch
 
@@ -41,9 +31,7 @@ from vllm.v1.worker.workspace import current_workspace_manager
 
 
 def decode_row_lens(seq_lens: torch.Tensor, next_n: int, rows: int) -> torch.Tensor:
-    """Scored columns of each decode row: ``seq_lens`` per row, or per
-    request ``(B, 1)`` with the ``next_n`` rows of a request seeing one more
-    token each (as vLLM's decode top-k kernels read it)."""
+    """Scored columns of each decode row (as vLLM's decode top-k reads it)."""
     if seq_lens.numel() == rows:
         return seq_lens.reshape(-1).to(torch.int32)
     steps = torch.arange(next_n, dtype=torch.int32, device=seq_lens.device)
@@ -106,8 +94,7 @@ def _score_prefill(
             q_scale[row_start:row_end] if q_scale is not None else None,
             weights[row_start:row_end],
         )
-        # DeepGEMM's compressed logits: row i's columns start at its own
-        # first key, so every row starts at column zero.
+        # DeepGEMM's compressed logits start every row at column zero.
         row_lens = cu_seqlen_ke - cu_seqlen_ks
         logits = upstream.as_fp32_logits(
             fp8_fp4_mqa_logits(
@@ -153,8 +140,7 @@ def _score_decode(
     num_decode_tokens = metadata.num_decode_tokens
     kv_cache = upstream.kv_cache_as_quant_view(kv_cache, head_dim, use_fp4_cache)
     decode_lens = decode.decode_lens
-    # As vLLM's op: ragged decode rows (a short extend below the decode
-    # threshold) are padded to (B, next_n) and unpacked after the top-k.
+    # Ragged decode rows are padded to (B, next_n), as in vLLM's op.
     padded = decode.requires_padding or num_decode_tokens % decode_lens.shape[0] != 0
 
     def per_request(rows: torch.Tensor) -> torch.Tensor:

@@ -2,37 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Low-latency GEMMs for the packed projections of the Kimi K3.1 DSA layers.
 
-``KimiK3DSAAttention.pack_projections`` replaces six GEMMs by two over packed
-weights (``vllm/models/kimi_k3/nvidia/dsa.py``):
-
-* ``[q_a | kv_a | wk | weights_proj]``: ``N = 1536 + 512 + 64 + 128 + 32 =
-  2272`` rows, ``K = 7168`` (replicated; the same at every TP size);
-* ``[q_b | wq_index]``: ``N = local_heads * 192 + 32 * 128`` rows, ``K =
-  1536``: 22528 (TP1), 13312 (TP2), 8704 (TP4), 6400 (TP8) for 96 heads.
-
-vLLM 0.33.0's Kimi K3 low-latency GEMM (``low_latency_gemm.py``) dispatches by
-the local ``(N, K)`` of a weight through per-device tables of *measured*
-winners (``KIMI_K3_PROJECTIONS{,_SM100,_SM90}``) and warms the CuTe-DSL
-skinny-GEMM configs they name through
-``shape_dynamic_skinny_gemm.request_warmup_configs``. None of the packed
-shapes above is a key of those tables, so ``try_low_latency_gemm`` returns
-None for them. What this module adds, and what is still missing:
-
-* :func:`low_latency_linear` first asks ``try_low_latency_gemm`` (any shape
-  0.33.0 has measured keeps its measured kernel), then, for the packed Kimi
-  K3.1 shapes only, runs 0.33.0's shape-dynamic CuTe skinny GEMM for 1..16
-  tokens, and falls back to ``F.linear`` (cuBLAS) for everything else: other
-  shapes, more tokens, non-bf16, non-CUDA tensors, batch-invariant mode, a
-  missing CuTe DSL.
-* The skinny-GEMM configs of the packed shapes: on SM90 the measured winners
-  of :data:`PACKED_SHAPE_CONFIG_OVERRIDES` (cuBLAS where the skinny GEMM
-  lost); elsewhere, until measured, the kernel's own shape heuristic
-  (``ShapeDynamicSkinnyGemm._config``, what it runs when called without a
-  config). The ``dsv3_fused_a`` kernel is compiled for fixed shapes and cannot
-  take them.
-* :func:`request_low_latency_warmup` registers exactly the configs a packed
-  weight will run with 0.33.0's CuTe-DSL warmup (compiled before CUDA-graph
-  capture, never during it).
+The packed shapes are not in vLLM 0.33.0's measured Kimi K3 GEMM tables; for
+1..16 tokens they run its CuTe skinny GEMM instead of cuBLAS.
 """
 
 from __future__ import annotations
@@ -47,7 +18,6 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# Kimi K3.1 (public config): the packed projections' dimensions.
 KIMI_K31_HIDDEN_SIZE = 7168
 KIMI_K31_Q_LORA_RANK = 1536
 KIMI_K31_KV_LORA_RANK = 512
@@ -98,15 +68,15 @@ def kimi_k31_packed_shapes() -> frozenset[tuple[int, int]]:
     return frozenset(shapes)
 
 
-# SkinnyGemmConfig fields (num_rows, block_size, outputs_per_block, k_unroll,
-# vector_width) of a measured config, or None where cuBLAS was faster.
+# SkinnyGemmConfig fields, or None where cuBLAS was faster.
 MeasuredConfig = tuple[int, int, int, int, int] | None
 
-# The H200 (SM90), ``benchmarks/kernels/bench_packed_gemm.py``
-# (docs/benchmarks.md): the fastest skinny config where it beats cuBLAS by
-# 5 %, else None. The skinny GEMM wins at 1-4 tokens for the input projection
-# and 1-2 for the query projection; beyond, its heuristic is up to 4x slower
-# than cuBLAS.
+# SM90: the fastest skinny config where it beat cuBLAS by 5 %, else None.
+_SM90_QUERY_MEASURED: dict[int, MeasuredConfig] = {
+    1: (1, 96, 4, 2, 4),
+    2: (2, 96, 4, 1, 8),
+    **dict.fromkeys(range(3, LOW_LATENCY_MAX_TOKENS + 1)),
+}
 _SM90_MEASURED: dict[tuple[int, int], dict[int, MeasuredConfig]] = {
     (2272, 7168): {
         1: (1, 224, 2, 4, 8),
@@ -115,31 +85,10 @@ _SM90_MEASURED: dict[tuple[int, int], dict[int, MeasuredConfig]] = {
         4: (4, 64, 2, 2, 8),
         **dict.fromkeys(range(5, LOW_LATENCY_MAX_TOKENS + 1)),
     },
-    (6400, 1536): {
-        1: (1, 96, 4, 2, 4),
-        2: (2, 96, 4, 1, 8),
-        **dict.fromkeys(range(3, LOW_LATENCY_MAX_TOKENS + 1)),
-    },
-    (8704, 1536): {
-        1: (1, 96, 4, 2, 4),
-        2: (2, 96, 4, 1, 8),
-        **dict.fromkeys(range(3, LOW_LATENCY_MAX_TOKENS + 1)),
-    },
-    (13312, 1536): {
-        1: (1, 96, 4, 2, 4),
-        2: (2, 96, 4, 1, 8),
-        **dict.fromkeys(range(3, LOW_LATENCY_MAX_TOKENS + 1)),
-    },
-    (22528, 1536): {
-        1: (1, 96, 4, 2, 4),
-        2: (2, 96, 4, 1, 8),
-        **dict.fromkeys(range(3, LOW_LATENCY_MAX_TOKENS + 1)),
-    },
+    **{(rows, 1536): dict(_SM90_QUERY_MEASURED) for rows in (6400, 8704, 13312, 22528)},
 }
 
-# ``{capability major: {(N, K): {M: fields or None}}}``: measured winners that
-# replace the skinny GEMM's heuristic for a packed shape; None runs cuBLAS.
-# A device or M without an entry keeps the heuristic.
+# Capability major -> (N, K) -> M -> measured config; absent keeps the heuristic.
 PACKED_SHAPE_CONFIG_OVERRIDES: dict[
     int, dict[tuple[int, int], dict[int, MeasuredConfig]]
 ] = {9: _SM90_MEASURED}
@@ -164,8 +113,8 @@ def _capability_major(device_index: int) -> int:
 
 
 def _device_major(device: torch.device) -> int | None:
-    """The device's capability major where 0.33.0's Kimi K3 low-latency GEMM
-    serves it (SM90, SM100, SM103, SM107), else None."""
+    """The capability major where 0.33.0's Kimi K3 low-latency GEMM serves
+    the device, else None."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -175,9 +124,8 @@ def _device_major(device: torch.device) -> int | None:
 
 @functools.cache
 def _packed_plan(n: int, k: int, major: int) -> dict[int, object]:
-    """``{M: SkinnyGemmConfig}`` for a packed shape on a device of capability
-    ``major``; an M measured slower than cuBLAS, or without a valid config,
-    is left out (it runs cuBLAS)."""
+    """``{M: SkinnyGemmConfig}`` for a packed shape; an M that runs cuBLAS is
+    left out."""
     if (n, k) not in kimi_k31_packed_shapes():
         return {}
     try:
@@ -200,7 +148,6 @@ def _packed_plan(n: int, k: int, major: int) -> dict[int, object]:
             config = None
         if config is None:
             continue
-        # The kernel's own shape constraints (skinny_gemm.py, __call__).
         if n % config.outputs_per_block or k % (
             config.block_size * config.vector_width
         ):
@@ -210,8 +157,8 @@ def _packed_plan(n: int, k: int, major: int) -> dict[int, object]:
 
 
 def _runtime_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Same conditions as 0.33.0's ``low_latency_gemm._runtime_ok`` plus the
-    skinny GEMM's aligned row-major ``x``."""
+    """0.33.0's ``low_latency_gemm._runtime_ok`` plus an aligned row-major
+    ``x``."""
     return (
         x.dim() == 2
         and weight.dim() == 2
@@ -228,8 +175,7 @@ def _runtime_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _aligned_rows(x: torch.Tensor, config: object) -> bool:
-    """The skinny GEMM's vectorized loads of ``x`` stay aligned (it raises
-    otherwise; a column slice at an odd offset falls back instead)."""
+    """Whether the skinny GEMM's vectorized loads of ``x`` stay aligned."""
     from vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm import (
         row_stride_ok,
     )
@@ -238,12 +184,7 @@ def _aligned_rows(x: torch.Tensor, config: object) -> bool:
 
 
 def low_latency_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` through the fastest kernel known for its shape.
-
-    0.33.0's measured Kimi K3 tables first (``try_low_latency_gemm``), then
-    the packed Kimi K3.1 DSA shapes on the CuTe skinny GEMM (1..16 tokens),
-    else ``F.linear``.
-    """
+    """``x @ weight.T`` through the fastest kernel known for its shape."""
     if x.is_cuda and not envs.VLLM_BATCH_INVARIANT:
         from vllm.models.kimi_k3.nvidia.low_latency_gemm import try_low_latency_gemm
 
@@ -262,11 +203,9 @@ def low_latency_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def request_low_latency_warmup(weight: torch.Tensor) -> bool:
-    """Ask 0.33.0's CuTe-DSL warmup to compile the skinny-GEMM configs that
+    """Ask 0.33.0's CuTe-DSL warmup to compile the configs
     :func:`low_latency_linear` will run for ``weight``, before CUDA-graph
-    capture. Returns whether anything was requested (False on the CPU, for
-    non-bf16 weights, shapes that are not packed Kimi K3.1 shapes, or without
-    the CuTe DSL)."""
+    capture; returns whether anything was requested."""
     if weight.dim() != 2 or weight.dtype != torch.bfloat16 or envs.VLLM_BATCH_INVARIANT:
         return False
     major = _device_major(weight.device)

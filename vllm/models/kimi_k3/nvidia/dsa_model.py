@@ -3,16 +3,8 @@
 """Kimi K3.1 DSA in Kimi K3's model: the model-level top-k buffer and
 index-group builder every DSA layer shares, and which layers are DSA.
 
-As ``DeepseekV32Model`` does, Kimi K3's ``KimiLinearModel`` (and the MTP
-predictor) allocates one state per model (:func:`make_dsa_model_state`) and
-passes its ``topk_indices_buffer`` and ``index_group_builder`` through
-``KimiDecoderLayer`` to each :class:`KimiK3DSAAttention`; the state is then
-kept on the model (:func:`attach_dsa_model_state`), where vLLM's MTP proposer
-finds the target's buffer. In vLLM's tree those are edits of
-``vllm/models/kimi_k3/nvidia/model.py`` and ``mtp.py``; on the released 0.33.0
-the ``dsa_layers`` seam of ``vllm.plugins.kimi_k3_dsa`` makes them. The
-checkpoint side (indexer names, shape checks, the post-load packing) is
-:mod:`vllm.models.kimi_k3.nvidia.dsa_weights`.
+As ``DeepseekV32Model``, the model allocates one state and keeps it where
+vLLM's MTP proposer finds the target's buffer.
 """
 
 from __future__ import annotations
@@ -45,38 +37,28 @@ __all__ = [
     "map_indexer_names_in_quant_config",
 ]
 
-# ---------------------------------------------------------------------------
-# Model-level shared state: one top-k buffer, one index-group builder
-# ---------------------------------------------------------------------------
-
 
 @dataclass
 class DSAModelState:
-    """What one model (the target, or the MTP draft) shares across its DSA
-    layers."""
+    """What one model (target or MTP draft) shares across its DSA layers."""
 
     topk_indices_buffer: torch.Tensor
     index_group_builder: SparseMLAIndexGroupBuilder | None
 
 
-# The indexer's name in the checkpoint and in the model's DSA layer.
 CHECKPOINT_INDEXER = "indexer"
 MODULE_INDEXER = "dsa_indexer"
-# Checkpoint module paths -> the DSA layer's, for the module paths a
-# quantization config names (fp8 ``ignored_layers``, compressed-tensors
-# ``ignore`` / targets). Only wq_b can be quantized (wkv_index is built
-# without a quant config; k_norm is a norm).
+# Checkpoint -> model indexer paths in quantization configs (only wq_b can be
+# quantized).
 QUANT_CONFIG_INDEXER_RENAMES: dict[str, str] = {
     f".self_attn.{CHECKPOINT_INDEXER}.wq_b": f".self_attn.{MODULE_INDEXER}.wq_index",
 }
 
 
 def map_indexer_names_in_quant_config(vllm_config: VllmConfig) -> None:
-    """Rename the checkpoint's indexer module paths in the quantization
-    config's layer lists to the DSA layer's (``indexer.wq_b`` ->
-    ``dsa_indexer.wq_index``), as a model's ``hf_to_vllm_mapper`` does, so an
-    ignore list that names ``wq_b`` still keeps it unquantized. Regex entries
-    are left alone (vLLM's mappers skip them). Idempotent."""
+    """Rename the checkpoint's indexer paths in the quantization config's
+    layer lists, as a ``hf_to_vllm_mapper`` does, so ignore lists still
+    apply. Idempotent."""
     quant_config = getattr(vllm_config, "quant_config", None)
     if quant_config is None:
         return
@@ -88,11 +70,8 @@ def map_indexer_names_in_quant_config(vllm_config: VllmConfig) -> None:
 
 
 def make_dsa_model_state(vllm_config: VllmConfig) -> DSAModelState | None:
-    """The shared state for the model ``vllm_config`` describes, or None when
-    it is not a Kimi K3.1 DSA model. Called by the model's ``__init__`` before
-    it builds its layers, it also renames the checkpoint's indexer paths in
-    the quantization config (:func:`map_indexer_names_in_quant_config`), which
-    the layers read when they are built."""
+    """The shared state for a Kimi K3.1 DSA model, else None; also renames
+    the indexer paths in the quantization config, which the layers read."""
     text_config = vllm_config.model_config.hf_text_config
     if not is_dsa_model(text_config):
         return None
@@ -103,10 +82,7 @@ def make_dsa_model_state(vllm_config: VllmConfig) -> DSAModelState | None:
     )
 
     buffer = make_topk_indices_buffer(vllm_config)
-    # As DeepSeek V3.2 (models/deepseek_v32/nvidia/model.py): one builder on
-    # the model; every K3.1 DSA layer has its own indexer, so each layer is
-    # its own index-group leader, but the physical-topk workspace rows are
-    # capped by the decode rows instead of max_num_batched_tokens + 1.
+    # Each DSA layer leads its own index group (it has its own indexer).
     builder = SparseMLAIndexGroupBuilder(
         buffer, get_sparse_mla_index_group_max_rows(vllm_config)
     )
@@ -114,9 +90,7 @@ def make_dsa_model_state(vllm_config: VllmConfig) -> DSAModelState | None:
 
 
 def attach_dsa_model_state(model: nn.Module, state: DSAModelState | None) -> None:
-    """Keep the shared buffer on the model, where vLLM's MTP proposer looks
-    for it (``target.model.topk_indices_buffer``, shared with the draft's
-    ``model.model``)."""
+    """Keep the shared buffer where vLLM's MTP proposer looks for it."""
     if state is None:
         return
     model.topk_indices_buffer = state.topk_indices_buffer

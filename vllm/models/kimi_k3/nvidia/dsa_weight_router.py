@@ -2,15 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Where each Kimi K3.1 DSA checkpoint tensor loads, checked before it loads.
 
-:class:`DSAWeightRouter` maps the checkpoint's indexer names (and the MLA
-input projections a DSA layer stacks into ``fused_qkv_a_proj``) to the
-parameter or shard they fill, checks each tensor's shape and dtype against it
-before any weight loader runs (the loaders cast on copy: a quantized tensor
-without its scale would load as if it were the weights), dequantizes an fp8
-``wq_b`` / ``wk`` bound for a bf16 parameter, and records per layer what
-arrived, so that an incomplete indexer is refused after loading, each missing
-tensor named with what it is for (:func:`raise_incomplete_indexers`). The
-naming table is :mod:`.dsa_weights`'.
+The weight loaders cast on copy, so a quantized tensor without its scale, or
+one of the wrong shape, must be refused before it reaches them.
 """
 
 from __future__ import annotations
@@ -34,21 +27,16 @@ INDEXER_CHECKPOINT_NAMES: dict[str, tuple[str, int | None]] = {
     "weights_proj": ("wkv_index", 1),
     "k_norm": ("k_index_norm", None),
 }
-# Checkpoint MLA input projections stacked into the DSA layer's
-# fused_qkv_a_proj (q-LoRA layers only; the output gate stays its own linear).
+# Checkpoint MLA input projections stacked into fused_qkv_a_proj.
 FUSED_QKV_A_CHECKPOINT_NAMES: dict[str, int] = {
     "q_a_proj": 0,
     "kv_a_proj_with_mqa": 1,
 }
-# Indexer projections a checkpoint may store in fp8 with a block scale while
-# the model keeps them in bf16 (wk always: it shares a GEMM with the bf16
-# weights_proj; wq_b when the model's quantization leaves it unquantized):
-# the loader dequantizes them, as DeepSeek V3.2's loader does for wk.
+# Indexer projections a checkpoint may store in fp8 for a bf16 parameter.
 UPCAST_INDEXER_PROJECTIONS = ("wq_b", "wk")
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
 FP8_BLOCK = 128
-# Checkpoint module -> what it is for (named when one of its tensors is
-# missing, or of a dtype its parameter cannot take).
+# Checkpoint module -> what it is for (named in the errors).
 CHECKPOINT_PURPOSES: dict[str, str] = {
     "wq_b": "the indexer's query projection",
     "wk": "the indexer's key projection",
@@ -57,17 +45,13 @@ CHECKPOINT_PURPOSES: dict[str, str] = {
     "q_a_proj": "the MLA query down-projection",
     "kv_a_proj_with_mqa": "the MLA latent down-projection",
 }
-# Parameter leaf -> which part of its module it is.
 _PARAMETER_ROLES: dict[str, str] = {
     "weight": "weight",
     "bias": "bias",
     "weight_scale_inv": "fp8 weight's scales",
     "weight_scale": "fp8 weight's scales",
 }
-# Unquantized dtypes: a tensor of any other (fp8, fp4, int8, packed uint8)
-# holds quantized values that only mean something with their scale.
 _UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-# Checkpoint module -> what its rows mean (for the shape error messages).
 CHECKPOINT_ROW_MEANINGS: dict[str, str] = {
     "wq_b": "index_num_heads*index_head_dim",
     "wk": "index_head_dim",
@@ -82,17 +66,15 @@ WeightItem = tuple[str, torch.Tensor] | tuple[str, torch.Tensor, dict[str, Any]]
 
 @dataclass
 class DSALayerLoadState:
-    """What the checkpoint gave one DSA layer's indexer so far, kept on the
-    layer across ``load_weights`` calls (some loaders split a model's tensors
-    over several calls; a weight refit may send a subset of layers)."""
+    """What the checkpoint gave one DSA layer's indexer so far, kept across
+    ``load_weights`` calls (loaders may split a model over several)."""
 
     checkpoint_prefix: str
     label: str
     expected: frozenset[str]
     seen: set[str] = field(default_factory=set)
     touched: bool = False
-    # fp8 projection -> {"weight" | "scale": (checkpoint name, tensor)} until
-    # both halves of an fp8 tensor bound for a bf16 parameter arrived.
+    # Both halves of an fp8 tensor bound for a bf16 parameter, until complete.
     pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = field(
         default_factory=dict
     )
@@ -104,7 +86,6 @@ class DSALayerLoadState:
         )
 
     def missing_described(self) -> list[str]:
-        """:meth:`missing`, each with what the tensor is for."""
         return [
             f"'{self.checkpoint_prefix}{CHECKPOINT_INDEXER}.{t}' ({describe(t)})"
             for t in sorted(self.expected - self.seen)
@@ -112,8 +93,7 @@ class DSALayerLoadState:
 
 
 def describe(tensor: str) -> str:
-    """What checkpoint tensor ``{module}.{leaf}`` (relative to a layer's
-    ``indexer.``, or its ``self_attn.``) is for."""
+    """What checkpoint tensor ``{module}.{leaf}`` is for."""
     module, _, leaf = tensor.partition(".")
     role = _PARAMETER_ROLES.get(leaf, leaf)
     purpose = CHECKPOINT_PURPOSES.get(module, module)
@@ -125,8 +105,7 @@ LOAD_STATE_ATTR = "dsa_checkpoint_state"
 
 def expected_indexer_tensors(attn: nn.Module) -> frozenset[str]:
     """Checkpoint names, relative to ``...self_attn.indexer.``, that a DSA
-    layer's indexer takes: one per parameter of ``wq_index`` (fp8 scales
-    included) and ``k_index_norm``, two per parameter of ``wkv_index``."""
+    layer's indexer takes."""
     indexer = getattr(attn, MODULE_INDEXER)
     expected: set[str] = set()
     for ckpt_name, (module_name, _) in INDEXER_CHECKPOINT_NAMES.items():
@@ -144,7 +123,6 @@ def _shape_of(tensor: torch.Tensor) -> Shape:
 
 
 def _checkpoint_module(attn: nn.Module, source: str) -> nn.Module:
-    """The module of ``attn`` that checkpoint module ``source`` loads into."""
     mapping = INDEXER_CHECKPOINT_NAMES.get(source)
     if mapping is None:
         return attn.fused_qkv_a_proj
@@ -159,17 +137,9 @@ def expected_checkpoint_shape(
     param: torch.Tensor,
     shard: int | None,
 ) -> tuple[Shape, str] | None:
-    """The shape checkpoint tensor ``{source}.{param_suffix}`` of a DSA layer
-    must have to load into ``param`` (named ``target``; shard ``shard`` of a
-    merged linear), and what its dimensions mean; None where only vLLM's
-    loader can tell (a lazily initialized parameter, a quantized or packed
-    slice of a merged linear).
-
-    Taken from the layer's modules rather than the config, so that it follows
-    what was actually built. The indexer projections and ``fused_qkv_a_proj``
-    are replicated (``disable_tp``): the checkpoint tensor is the whole shard,
-    never a TP slice of it.
-    """
+    """The shape checkpoint tensor ``{source}.{param_suffix}`` must have to
+    load into ``param``, and what its dimensions mean; None where only vLLM's
+    loader can tell. Taken from the built modules, which are replicated."""
     from torch.nn.parameter import UninitializedParameter
 
     if isinstance(param, UninitializedParameter):
@@ -179,8 +149,7 @@ def expected_checkpoint_shape(
     if source == "wq_b" and getattr(attn, "q_lora_rank", None) is not None:
         cols = "q_lora_rank"
     if shard is not None:
-        # A slice of a merged linear (wkv_index, fused_qkv_a_proj): vLLM's
-        # loader narrows the tensor to the shard without checking its size.
+        # vLLM's merged loader narrows to the shard without checking its size.
         module = _checkpoint_module(attn, source)
         partitions = list(module.output_partition_sizes)
         if param_suffix != "weight" or _shape_of(param) != (
@@ -198,7 +167,6 @@ def expected_checkpoint_shape(
         return shape, f"{rows} x {cols}"
     if source == "k_norm" and len(shape) == 1:
         return shape, rows
-    # A quantized wq_index's scales: ReplicatedLinear loads them whole.
     return shape, f"the shape of parameter '{target}'"
 
 
@@ -210,8 +178,6 @@ def _shape_matches(got: Shape, expected: Shape) -> bool:
 
 
 def fp8_scale_fits(weight_shape: Shape, scale_shape: Shape) -> bool:
-    """Whether :func:`dequantize_fp8_block` can apply a scale of
-    ``scale_shape`` to an fp8 weight of ``weight_shape``."""
     if len(weight_shape) != 2 or len(scale_shape) not in (1, 2):
         return False
     if len(scale_shape) == 1:
@@ -228,27 +194,19 @@ def fp8_scale_fits(weight_shape: Shape, scale_shape: Shape) -> bool:
 
 @dataclass(frozen=True)
 class _Destination:
-    """Where one checkpoint tensor of a DSA layer loads."""
-
-    ckpt: str  # the layer's checkpoint prefix
-    target: str  # the parameter
-    shard: int | None  # the shard of a merged parameter
+    ckpt: str
+    target: str
+    shard: int | None
     source: str  # the checkpoint module: ``wk``, ``q_a_proj``, ...
-    param_suffix: str  # ``weight``, ``bias``, ``weight_scale_inv``, ...
+    param_suffix: str
     seen: str | None  # the indexer tensor it completes (``wk.weight``)
 
 
 class DSAWeightRouter:
     """Loads the tensors 0.33.0's Kimi K3 loaders cannot place for DSA layers.
 
-    ``layers`` maps each DSA layer's checkpoint attention prefix (as names
-    reach the loader, e.g. ``layers.3.self_attn.``) to its parameter prefix
-    (e.g. ``layers.3.self_attn.`` in the target model,
-    ``model.layers.5.mtp_block.self_attn.`` in the MTP draft) and module. An
-    indexer tensor the layer does not have, or a tensor whose shape does not
-    fit its parameter (shard), raises at once, before any weight loader
-    runs; what each layer received is recorded on it
-    (:class:`DSALayerLoadState`) for :func:`check_dsa_indexers_complete`.
+    ``layers`` maps each DSA layer's checkpoint attention prefix to its
+    parameter prefix and module.
     """
 
     def __init__(
@@ -277,9 +235,7 @@ class DSAWeightRouter:
         return None
 
     def _destination(self, name: str) -> _Destination | None:
-        """Where ``name`` loads, or None when 0.33.0's loader places it
-        correctly itself. Raises for an indexer tensor the layer does not
-        have."""
+        """Where ``name`` loads, or None when 0.33.0's loader places it."""
         ckpt = self._layer_of(name)
         if ckpt is None:
             return None
@@ -324,8 +280,7 @@ class DSAWeightRouter:
         loaded_weight: torch.Tensor,
         expected: tuple[Shape, str],
     ) -> None:
-        """Refuse a tensor that does not fit: vLLM's merged loader would
-        truncate it silently, the others assert without naming it."""
+        """vLLM's merged loader would truncate a misfit silently."""
         got = _shape_of(loaded_weight)
         shape, meaning = expected
         if _shape_matches(got, shape):
@@ -339,8 +294,6 @@ class DSAWeightRouter:
     def _check_fp8_scale(
         self, ckpt: str, name: str, scale: torch.Tensor, weight_shape: Shape
     ) -> None:
-        """Refuse a scale that does not tile the fp8 weight it dequantizes
-        (checked on arrival, whichever half of the pair comes first)."""
         got = _shape_of(scale)
         if fp8_scale_fits(weight_shape, got):
             return
@@ -355,10 +308,8 @@ class DSAWeightRouter:
         )
 
     def _maybe_upcast(self, name: str, loaded_weight: torch.Tensor) -> str | None:
-        """An fp8 ``wq_b`` / ``wk`` (weight or scale) bound for a bf16
-        parameter: shape-checked on arrival, buffered until its other half
-        arrives, then dequantized and loaded. Returns the parameter name, or
-        None when not this case."""
+        """Buffer an fp8 ``wq_b`` / ``wk`` half bound for a bf16 parameter and
+        load it dequantized once complete; None when not this case."""
         ckpt = self._layer_of(name)
         if ckpt is None:
             return None
@@ -420,8 +371,7 @@ class DSAWeightRouter:
             weight_loader(param, loaded_weight, shard)
 
     def load(self, name: str, loaded_weight: torch.Tensor) -> str | None:
-        """Load ``name`` if it is ours; returns the parameter name, or None to
-        leave the tensor to 0.33.0's loader."""
+        """Load ``name`` if it is ours; None leaves it to 0.33.0's loader."""
         upcast = self._maybe_upcast(name, loaded_weight)
         if upcast is not None:
             return upcast
@@ -447,10 +397,8 @@ class DSAWeightRouter:
     def _check_dtype(
         self, dest: _Destination, name: str, loaded_weight: torch.Tensor
     ) -> None:
-        """Refuse a tensor whose dtype its parameter cannot take as it is:
-        the weight loaders copy with a cast, so quantized values into an
-        unquantized parameter (or the reverse) would load without their
-        scale and serve wrong. Scales are left to vLLM's loader."""
+        """The loaders copy with a cast: quantized values without their scale
+        would load and serve wrong."""
         if dest.param_suffix not in ("weight", "bias"):
             return
         param = self.params_dict[dest.target]
@@ -475,7 +423,6 @@ class DSAWeightRouter:
         )
 
     def check_complete(self) -> None:
-        """:func:`check_dsa_indexers_complete` over this router's layers."""
         raise_incomplete_indexers(self.states.values())
 
 
@@ -511,7 +458,6 @@ def raise_incomplete_indexers(states: Iterable[DSALayerLoadState]) -> None:
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-# The scale dtypes dequantize_fp8_block reads: floats, or UE8M0 exponents.
 _SCALE_DTYPES = (
     torch.float32,
     torch.bfloat16,
@@ -538,9 +484,8 @@ def _fp8_block(size: int, num_scales: int) -> int:
 def dequantize_fp8_block(
     weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """An fp8 ``[out, in]`` weight times its scale: block ``[out/b, in/b]``
-    (128x128, the last block possibly partial), per-channel ``[out]`` or
-    ``[out, 1]``; E8M0 scales (MXFP8 checkpoints) are decoded first."""
+    """An fp8 ``[out, in]`` weight times its block, per-channel or E8M0
+    scale."""
     if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
         scale = scale.view(torch.float8_e8m0fnu).to(torch.float32)
     scale = scale.to(torch.float32)

@@ -2,22 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The decode batch that vLLM 0.33.0's Triton KDA decode can launch.
 
-Kimi K3's KDA layer (``KimiK3DeltaAttention``) decodes with a native fused
-kernel where it can and otherwise falls back to the Triton kernel
-``fused_recurrent_kda_packed_decode``, whose launch grid is
-``(cdiv(V, BV), B * H)``: B decode tokens times H KDA heads per rank on the
-grid's y dimension, which CUDA caps at 65535. A larger product fails the
-launch ("Triton Error [CUDA]: invalid argument") in the engine's warm-up, after
-the weights and the caches are in place.
-
-The model runner decodes at most ``max_num_seqs`` requests of one token each
-in a step: the warm-up decodes ``min(max_num_seqs, ...)`` requests at once,
-the CUDA graphs are captured for at most ``max_num_seqs`` requests, and vLLM
-requires ``max_num_batched_tokens >= max_num_seqs``, so the scheduler can
-batch that many. :func:`check_kda_decode_grid` refuses a larger
-``max_num_seqs`` at config verification, when the layer would take the Triton
-path, which is decided by vLLM's own ``resolve_kda_decode_backend`` with the
-arguments the layer passes it.
+Its grid puts decode tokens x KDA heads per rank on CUDA's y dimension
+(at most 65535); a larger batch fails only at warm-up, after the weights and
+caches are in place, so ``max_num_seqs`` is checked at config verification.
 """
 
 from __future__ import annotations
@@ -27,27 +14,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-# CUDA's limit on a launch grid's y (and z) dimension.
 CUDA_MAX_GRID_Y = 65535
 
 
 def triton_kda_decode_max_num_seqs(heads_per_rank: int) -> int:
-    """The largest decode batch (one token per request) whose Triton KDA
-    decode grid fits: ``batch x heads_per_rank <= 65535``."""
+    """The largest decode batch whose Triton KDA decode grid fits."""
     return CUDA_MAX_GRID_Y // heads_per_rank
 
 
 def kda_decode_backend(vllm_config: VllmConfig, kda_config: dict[str, Any]) -> str:
-    """The KDA decode backend the layer will resolve to: vLLM's own
-    ``resolve_kda_decode_backend``, called with what ``KimiK3DeltaAttention``
-    passes it (the requested ``additional_config["kda_decode_backend"]``, KDA
-    heads per rank, head dim, convolution width, speculative tokens, the
-    model dtype and the KDA state dtypes). Raises what it raises for a backend
-    that cannot be served, as the layer would.
-
-    Importing vLLM's KDA module also loads vLLM's CUDA ops, whose presence
-    (``torch.ops._C.fused_kda_decode``) the resolution reads.
-    """
+    """The KDA decode backend the layer will resolve to, from vLLM's own
+    ``resolve_kda_decode_backend`` with the layer's arguments."""
     from vllm.model_executor.layers.mamba.mamba_utils import (
         MambaStateDtypeCalculator,
     )
@@ -82,16 +59,9 @@ def kda_decode_backend(vllm_config: VllmConfig, kda_config: dict[str, Any]) -> s
 
 
 def check_kda_decode_grid(vllm_config: VllmConfig) -> None:
-    """Refuse a ``max_num_seqs`` whose decode batch the Triton KDA decode
-    cannot launch (``max_num_seqs x KDA heads per rank > 65535``), when the
-    KDA layers of a Kimi K3 / K3.1 model would decode with it.
-
-    A no-op off CUDA, for a model without Kimi K3's KDA layers (no
-    ``linear_attn_config``, or Kimi-Linear's gate, which another layer
-    serves), for heads that do not divide by the tensor parallel size (the
-    layer refuses those), and whenever the native or FlashInfer fused decode
-    is resolved (those have no such limit).
-    """
+    """Refuse a ``max_num_seqs`` the Triton KDA decode cannot launch, when a
+    Kimi K3 model's KDA layers would decode with it (the fused decodes have no
+    such limit)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cuda():
@@ -100,8 +70,7 @@ def check_kda_decode_grid(vllm_config: VllmConfig) -> None:
     kda_config = getattr(text_config, "linear_attn_config", None)
     if not isinstance(kda_config, dict) or not kda_config.get("kda_layers"):
         return
-    # KimiK3DeltaAttention serves only the full-rank gate (model.py's decoder
-    # layer builds Kimi-Linear's own layer otherwise).
+    # KimiK3DeltaAttention serves only the full-rank gate.
     if not kda_config.get("use_full_rank_gate", False):
         return
     tp_size = vllm_config.parallel_config.tensor_parallel_size

@@ -1,11 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Lazy access to the ``vllm._kimi_k3_C`` extension (torch only).
-
-The extension is optional: a package installed without a CUDA toolkit has no
-``_kimi_k3_C``, and the model then keeps the wrapper path. Importing it
-lazily keeps this package importable everywhere (CPU CI, config tests).
-"""
+"""Lazy access to the optional ``vllm._kimi_k3_C`` extension (torch only)."""
 
 import contextlib
 import functools
@@ -21,12 +16,8 @@ _MODULE = "vllm._kimi_k3_C"
 
 
 def _load_checkout_build() -> bool:
-    """Load ``vllm/_kimi_k3_C*.so`` built in place beside this checkout.
-
-    An editable install maps our modules, but upstream's regular ``vllm``
-    package hides a ``vllm/_kimi_k3_C`` that is not in site-packages; the
-    in-place build (``python setup.py build_ext --inplace``) is loaded here.
-    """
+    """Load ``vllm/_kimi_k3_C*.so`` built in place, which upstream's regular
+    ``vllm`` package would hide from an editable install."""
     vllm_dir = Path(__file__).resolve().parents[4]
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = vllm_dir / f"_kimi_k3_C{suffix}"
@@ -63,10 +54,7 @@ def _kernels_run_on(device_index: int) -> bool:
 
 
 def unavailable_reason() -> str | None:
-    """Why our kernels cannot run in this process (None: they can): the
-    extension is not built, there is no CUDA device, or the build holds no
-    machine code for this GPU's architecture (its ``TORCH_CUDA_ARCH_LIST``
-    lacked it), where every launch would fail."""
+    """Why our kernels cannot run in this process (None: they can)."""
     if not extension_available():
         return "vllm._kimi_k3_C not available"
     if not torch.cuda.is_available():
@@ -92,11 +80,9 @@ def kimi_k3_ops():
 
 
 def _register_fakes() -> None:
-    """Shape-only implementations, so torch.compile can trace through the
-    ops (they mutate their arguments and return nothing)."""
+    """Shape-only implementations, so torch.compile can trace the ops."""
     for name in ("indexer_k_norm_quant_insert", "dsa_fused_prologue"):
         qualname = f"_kimi_k3_C::{name}"
-        # Already registered when the module is reloaded.
         with contextlib.suppress(RuntimeError):
             torch.library.register_fake(qualname)(lambda *args, **kwargs: None)
 

@@ -1,25 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The indexer's top-k in one canonical form (Triton + torch).
-
-vLLM's top-k kernels (``top_k_per_row_*``, ``cooperative_topk``,
-``persistent_topk``) place each selected index with an atomic counter: the
-order of a row changes from run to run, and so does which of several equal
-scores at the k-th value is kept. Sparse MLA accumulates in index order, so
-either changes the attention output. Kimi K3.1's indexer has no rope, so
-equal keys (and equal scores) are common.
-
-Semantics, per row ``r`` with ``n = row_lens[r]`` scored columns
-``logits[r, :n]``: ``n <= k`` keeps every column; otherwise the ``k`` largest
-scores, ties at the k-th value going to the lowest columns. Either way the
-kept columns are written in ascending order, then -1 up to ``k``.
-
-The kernels take a correct top-k of the row (any order, any tie choice) in
-``topk_indices`` and rewrite it: its smallest score is the k-th value, so one
-pass over the row counts that value's ties; when the given top-k already
-holds all of them it is sorted, otherwise the row is rescanned in column
-order. ``reference.canonical_topk`` selects from the logits alone.
-"""
+"""The indexer's top-k in one canonical form (Triton + torch): the ``k``
+largest of a row's scored columns (all when ``n <= k``), ties to the lowest
+columns, ascending, then -1. vLLM's top-k order and tie choice vary run to
+run, and sparse MLA accumulates in index order."""
 
 import torch
 
@@ -80,8 +64,7 @@ if HAS_TRITON:
         K: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        # The k-th value (the smallest score of the given top-k), how many
-        # of its ties the row may keep, and how many the given top-k holds.
+        # The k-th value and its tie counts (row may keep / top-k holds).
         row = tl.program_id(0).to(tl.int64)
         n = tl.load(lens_ptr + row)
         j = tl.arange(0, BLOCK_K)
@@ -189,10 +172,9 @@ if HAS_TRITON:
 def canonical_topk(
     logits: torch.Tensor, row_lens: torch.Tensor, topk_indices: torch.Tensor
 ) -> None:
-    """Rewrite ``topk_indices [rows, k]`` (int32, a view is written through),
-    a top-k of each row's first ``row_lens[r]`` scores in ``logits [rows,
-    columns]`` (fp32), in the canonical form of the module docstring. CPU
-    tensors take the torch path, which selects from the logits alone."""
+    """Rewrite the top-k ``topk_indices [rows, k]`` (int32, written through
+    a view) of ``logits`` in canonical form. CPU tensors take the torch
+    path."""
     _check_inputs(logits, row_lens, topk_indices)
     rows, k = topk_indices.shape
     if rows == 0:

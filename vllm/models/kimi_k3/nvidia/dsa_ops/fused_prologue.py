@@ -2,28 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """DSA fused prologue: norms and both cache inserts in one launch (CUDA).
 
-The kernel (``csrc/kimi_k3/fused_prologue.cu``) writes the bytes of
-``reference.fused_prologue``, its contract.
-
-Inputs are column slices of the packed ``[q_a | kv_a | k_pe | wk | weights]``
-GEMM output ``[T, 1536 + 512 + 64 + 128 + 32]`` bf16 (row stride != width).
-Per token ``t``:
-
-- ``q_c_out[t] = rms_norm(q_c[t]) * q_a_norm_weight`` and
-  ``kv_c_out[t] = rms_norm(kv_c[t]) * kv_a_norm_weight``, computed in fp32 and
-  rounded once to bf16 (returned, contiguous).
-- ``fp8_ds_mla`` entry at ``mla_slot_mapping[t]`` (flat ``block * block_size +
-  offset``; cache ``[num_blocks, block_size, 656]`` uint8 as vLLM binds it):
-  bytes [0, 512) fp8 e4m3 codes of ``kv_c_out[t]`` in 4 tiles of 128, each
-  with scale ``2**ceil(log2(max(amax * (1/448), 1e-4)))``; bytes [512, 528)
-  the 4 scales as fp32; bytes [528, 656) ``k_pe[t]`` as raw bf16.
-- the indexer entry at ``index_slot_mapping[t]``: exactly the insert kernel's
-  (``indexer_k_insert``), fp8 or MXFP4.
-- top-k row ``t`` set to -1 for every ``t < T``.
-
-Slots of -1 (and, as a guard, slots beyond a cache) are not written. With
-the caches ``None`` or empty (profiling run) it only normalizes. One ``eps``
-serves the three norms (the model checks they are equal).
+``reference.fused_prologue`` is the contract of the kernel
+(``csrc/kimi_k3/fused_prologue.cu``); with the caches ``None`` or empty
+(profiling run) it only normalizes.
 """
 
 import torch
@@ -50,7 +31,6 @@ _SLOT_MAPPINGS_REQUIRED = (
 def _profiling_run(
     mla_kv_cache: torch.Tensor | None, index_kv_cache: torch.Tensor | None
 ) -> bool:
-    """No cache to write: only the norms run."""
     return (
         mla_kv_cache is None
         or index_kv_cache is None
@@ -80,8 +60,7 @@ def dsa_fused_prologue(
     check_slots: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused prologue (CUDA; torch off CUDA) with fp8 or, with ``fp4``, MXFP4
-    indexer keys; returns the normed ``(q_c, kv_c)``. ``mx_scales=None`` picks
-    the fp8 scale word the device's DeepGEMM reads (SM10x: UE8M0)."""
+    indexer keys; returns the normed ``(q_c, kv_c)``."""
     mx_scales = resolve_mx_scales(fp4, mx_scales, q_c.device)
     if check_slots and mla_kv_cache is not None and index_kv_cache is not None:
         if mla_slot_mapping is None or index_slot_mapping is None:
@@ -97,7 +76,6 @@ def dsa_fused_prologue(
         if mla_slot_mapping is None or index_slot_mapping is None:
             raise ValueError(_SLOT_MAPPINGS_REQUIRED)
         write_mla_entries(kv_c_out, k_pe, mla_slot_mapping, mla_kv_cache)
-        # The indexer entry and the top-k fill are the insert op's.
         indexer_k_norm_quant_insert(
             index_k,
             k_norm_weight,
@@ -143,6 +121,5 @@ def dsa_fused_prologue(
 mxfp4_fused_prologue = mxfp4_variant(
     dsa_fused_prologue,
     "mxfp4_fused_prologue",
-    """:func:`dsa_fused_prologue` with MXFP4 indexer keys (68 bytes per token
-    at head dim 128, SM10x readers).""",
+    """:func:`dsa_fused_prologue` with MXFP4 indexer keys (SM10x readers).""",
 )

@@ -2,24 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """RoPE on the leading dims of the DSA indexer query and key (Triton + torch).
 
-Kimi K3.1 checkpoints with ``index_rope_dim > 0`` rotate only the leading
-``rope_dim`` dims of every indexer head and of the shared indexer key, with
-the leading ``rope_dim // 2`` frequencies of the main attention's rotary
-table (training reuses the leading frequencies of the main ``freqs_cis``).
-No vLLM rotary op slices a larger cache that way, hence this op.
-
-Semantics (``cos_sin_cache [max_pos, rot_dim]`` holds ``cos | sin`` halves,
-as vLLM's ``RotaryEmbedding.cos_sin_cache``; ``half = rope_dim // 2``)::
-
-    cos = cache[pos, :half]
-    sin = cache[pos, rot_dim // 2 : rot_dim // 2 + half]
-    neox (interleave=False): x1 = x[:half],     x2 = x[half:rope_dim]
-    GPT-J (interleave=True): x1 = x[0:rope_dim:2], x2 = x[1:rope_dim:2]
-    x1' = x1 * cos - x2 * sin;  x2' = x2 * cos + x1 * sin
-
-in fp32 (separately rounded products, no fused multiply-add), cast back to
-the input dtype, written in place; dims ``rope_dim ..`` are untouched.
-``reference.index_rope`` is the contract the Triton kernel is tested against.
+With ``index_rope_dim > 0`` only the leading ``rope_dim`` dims of each head
+rotate, with the leading ``rope_dim // 2`` frequencies of the main rotary
+table, which no vLLM rotary op does. fp32 with separately rounded products,
+in place; ``reference.index_rope`` is the contract.
 """
 
 import torch
@@ -151,11 +137,8 @@ def index_rope(
     rope_dim: int,
     interleave: bool,
 ) -> None:
-    """RoPE on the leading ``rope_dim`` dims of every indexer head
-    (``index_q [T, H, D]``) and of the key (``index_k [T, D]``), in place,
-    with the leading ``rope_dim // 2`` frequencies of ``cos_sin_cache``
-    (semantics in the module docstring). Views with any strides are written
-    through. CPU tensors take the torch path (the reference)."""
+    """RoPE on the leading ``rope_dim`` dims of ``index_q [T, H, D]`` and
+    ``index_k [T, D]``, in place. CPU tensors take the torch path."""
     _check_inputs(index_q, index_k, positions, cos_sin_cache, rope_dim)
     num_tokens, num_heads, _ = index_q.shape
     if rope_dim == 0 or num_tokens == 0:

@@ -2,39 +2,19 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Indexer query quantization for the DSA lightning indexer (Triton + torch).
 
-The indexer scores ``sum_h relu(q_h . k) * w_h`` with DeepGEMM's MQA logits,
-which takes exactly 32 or 64 heads, an fp8 query whose per-(token, head)
-scale is folded into fp32 weights (``q_scale`` None), or an MXFP4 query with
-its UE8M0 block scales beside it and weights without any query scale.
-``indexer_q_quant`` produces either form from the bf16 GEMM outputs in one
-launch, heads zero-padded, so no ``cat``/``pad``/scale-multiply chain runs
-between the query GEMM and the indexer op.
+One launch turns the bf16 GEMM outputs into what DeepGEMM's MQA logits read
+(32 or 64 heads, zero-padded), so no ``cat``/``pad``/scale chain runs between
+the query GEMM and the indexer op. ``(q_quant, q_scale, weights)`` for ``T``
+tokens, ``Hp`` padded heads, head dim ``D``:
 
-Byte layouts of ``indexer_q_quant``'s ``(q_quant, q_scale, weights)``
-(``T`` tokens, ``H`` real heads, ``Hp`` padded heads, ``D`` head dim):
+- fp8: ``q_quant`` float8_e4m3fn ``[T, Hp, D]`` with a power-of-two scale per
+  (token, head) folded into the fp32 ``weights [T, Hp]``; ``q_scale`` None.
+- MXFP4 (``D == 128``): ``q_quant`` uint8 ``[T, Hp, D / 2]`` e2m1 nibbles
+  (even element low), ``q_scale`` int32 ``[T, Hp]`` of four UE8M0 bytes, and
+  unscaled ``weights``.
 
-fp8 (``fp4=False``)
-  - ``q_quant`` float8_e4m3fn ``[T, Hp, D]`` contiguous: ``x / 2**e``
-    rounded to nearest even, saturated at +-448, where per (token, head)
-    ``e = ceil(log2(max(amax, 1e-4) / 448))`` (an exact power of two, the
-    indexer-key convention of ``formats.fp8_pow2_scale_exponent``);
-  - ``q_scale`` None: the scale is folded into the weights;
-  - ``weights`` fp32 ``[T, Hp]``: ``(w * 2**e) * weight_scale`` (fp32, the
-    first product exact); the caller's ``weight_scale`` is
-    ``softmax_scale * head_scale``.
-
-MXFP4 (``fp4=True``, ``D == 128``)
-  - ``q_quant`` uint8 ``[T, Hp, D / 2]``: e2m1 nibbles, byte ``i`` holds
-    element ``2i`` in its low nibble and ``2i + 1`` in its high nibble;
-  - ``q_scale`` int32 ``[T, Hp]``: four UE8M0 bytes, little-endian, byte
-    ``b`` the biased exponent of values ``32b .. 32b+31``
-    (``e = ceil(log2(max(amax, 6 * 2^-126) * (1/6)))``, clamped to +-127);
-  - ``weights`` fp32 ``[T, Hp]``: ``w * weight_scale``, no query scale.
-
-Padded heads ``H .. Hp - 1`` are the quantization of an all-zero head with a
-zero weight: zero codes and zero weights (their scales are those of a zero
-row and never matter, since the weight is zero). ``reference.indexer_q_quant``
-is the contract the Triton kernels are tested against.
+Padded heads get zero codes and zero weights. ``reference.indexer_q_quant`` is
+the contract the kernels are tested against.
 """
 
 import torch
@@ -55,9 +35,7 @@ from vllm.models.kimi_k3.nvidia.dsa_ops.torch_path import (
     runs_torch_path,
 )
 
-# DeepGEMM's MQA logits kernels are compiled for these head counts only.
 SUPPORTED_PADDED_HEADS = DEEPGEMM_INDEX_HEADS
-# Head dim of the MXFP4 query: one int32 holds exactly four block scales.
 MXFP4_HEAD_DIM = 4 * MXFP4_BLOCK_SIZE
 
 
@@ -102,9 +80,7 @@ def _check_inputs(
         )
 
 
-# ---------------------------------------------------------------------------
 # Triton kernels.
-# ---------------------------------------------------------------------------
 
 if HAS_TRITON:
 
@@ -267,10 +243,7 @@ if HAS_TRITON:
         )
 
 
-# Heads per program. None: by token count (measured on the H200, see
-# docs/kernels.md: 8 heads
-# keep small batches spread over the SMs; 32 heads, one token per program,
-# reach 0.99 of copy bandwidth at 64K tokens). An int overrides (tuning).
+# Heads per program; None picks by token count. An int overrides (tuning).
 _BLOCK_H: int | None = None
 _NUM_WARPS = 4
 
@@ -305,16 +278,8 @@ def indexer_q_quant(
     fp4: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The indexer query as DeepGEMM's MQA logits read it, heads padded to
-    ``padded_heads``: fp8 with its power-of-two scale folded into fp32
-    weights, or, with ``fp4``, MXFP4 with its UE8M0 block scales beside it
-    (SM100 readers).
-
-    ``index_q [T, H, D]`` and ``index_weights [T, H]`` may be strided views
-    of GEMM outputs. Returns ``(q_quant, q_scale, weights)`` as described in
-    the module docstring (``q_scale`` None for fp8): the triple
-    ``sparse_attn_indexer`` takes. CPU tensors take the torch path (the
-    reference).
-    """
+    ``padded_heads`` (layouts in the module docstring). CPU tensors take the
+    torch reference path."""
     _check_inputs(index_q, index_weights, padded_heads, fp4)
     if runs_torch_path(index_q) or not HAS_TRITON:
         q = pad_heads(index_q.float(), padded_heads)
@@ -334,21 +299,17 @@ def indexer_q_quant_fold_weights(
     weight_scale: float,
     padded_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp8 indexer query and its fp32 weights with the query's scale
-    folded in (:func:`indexer_q_quant` with fp8: no ``q_scale`` to pass)."""
+    """:func:`indexer_q_quant` for fp8, which has no ``q_scale``."""
     q_fp8, _, weights = indexer_q_quant(
         index_q, index_weights, weight_scale, padded_heads
     )
     return q_fp8, weights
 
 
-# The return annotation narrows q_scale: an MXFP4 query always carries its
-# scales.
 mxfp4_q_quant = mxfp4_variant(
     indexer_q_quant,
     "mxfp4_q_quant",
-    """The MXFP4 indexer query, its UE8M0 block scales and its fp32 weights
-    (:func:`indexer_q_quant` with ``fp4``; SM10x readers).""",
+    """:func:`indexer_q_quant` with ``fp4`` (SM10x readers).""",
     return_annotation=tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 )
 

@@ -1,20 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Pure-torch references of the DSA kernels: the contract they are tested
-against, byte for byte.
-
-One name per op: ``fused_prologue``, ``indexer_k_insert``, ``indexer_q_quant``,
-``index_rope`` and ``canonical_topk`` are the entry points (``dsa_fused_prologue``,
-``indexer_k_norm_quant_insert``, ``indexer_q_quant``, ``index_rope``) with
-their arguments, on their pure-torch path (``torch_path.py``) on every
-device, CUDA included, which is what the GPU tests compare the kernels with.
-The pieces that path is built from are here too (``rms_norm``, ``k_norm``,
-``write_indexer_entries``, ...).
-
-The entry points check their inputs (dtypes, shapes, head counts, slot
-bounds) before either path. ``mx_scales=None`` reads the scale word from the
-device as on the kernel path (fp32 off SM10x): pass it explicitly to compare
-one format.
+"""Pure-torch references of the DSA kernels: the entry points on their
+pure-torch path on every device, which the GPU tests compare the kernels with,
+byte for byte. Pass ``mx_scales`` explicitly to compare one format.
 """
 
 from vllm.models.kimi_k3.nvidia.dsa_ops.canonical_topk import (

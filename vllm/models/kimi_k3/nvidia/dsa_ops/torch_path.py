@@ -1,11 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The entry points' pure-torch path: what each takes on tensors that are not
-on a CUDA device, and on every device inside :func:`run_on_every_device`
-(``reference.py``'s names, the kernels' contract). These are its pieces; each
-entry point composes them after its input checks, so the argument lists live
-once, in the entry points. The byte encodings are ``formats.py``'s.
-"""
+"""The entry points' pure-torch path, taken off CUDA and inside
+:func:`run_on_every_device` (the kernels' contract)."""
 
 import contextvars
 import functools
@@ -49,8 +45,8 @@ def write_indexer_entries(
     fp4: bool = False,
     mx_scales: bool = False,
 ) -> None:
-    """Quantize normed keys ``k [N, D]`` (used as given) into the indexer
-    cache at their slots (-1 skipped), in ``indexer_k_insert``'s layout."""
+    """Quantize normed keys ``k [N, D]`` into the indexer cache at their
+    slots (-1 skipped)."""
     n = slot_mapping.numel()
     if n == 0 or kv_cache.numel() == 0:
         return
@@ -75,8 +71,7 @@ def write_mla_entries(
     slot_mapping: torch.Tensor,
     kv_cache: torch.Tensor,
 ) -> None:
-    """Write ``fp8_ds_mla`` entries of the normed latent and ``k_pe`` at
-    their slots (-1 skipped) of ``kv_cache [num_blocks, block_size, 656]``."""
+    """Write ``fp8_ds_mla`` entries at their slots (-1 skipped)."""
     n = slot_mapping.numel()
     slots = slot_mapping.long()
     keep = slots >= 0
@@ -100,11 +95,8 @@ def quantize_query(
     *,
     fp4: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``indexer_q_quant``'s triple of the padded fp32 query and weights:
-    ``q_scale`` None for fp8 (the power-of-two query scale is folded into the
-    weights)."""
-    # A Python scalar multiplies an fp32 tensor as an fp32 value (as the
-    # kernels' fp32 argument), and keeps the reference CUDA-graph capturable.
+    """``indexer_q_quant``'s triple of the padded fp32 query and weights."""
+    # A Python scalar keeps fp32 arithmetic and CUDA-graph capturability.
     if fp4:
         packed, ue8m0 = mxfp4_quantize_rows(q)
         q_scale = ue8m0.contiguous().view(torch.int32).squeeze(-1)
@@ -121,8 +113,7 @@ def rotate_(
     rope_dim: int,
     interleave: bool,
 ) -> None:
-    """Rotate the leading ``rope_dim`` dims of ``x`` in place, in fp32 with
-    separately rounded products (neox halves, or GPT-J pairs)."""
+    """Rotate the leading ``rope_dim`` dims of ``x`` in place, in fp32."""
     half = rope_dim // 2
     xr = x[..., :rope_dim].float()
     if interleave:
@@ -141,8 +132,7 @@ def rotate_(
 def rope_cos_sin(
     positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``(cos, sin)`` ``[T, rope_dim // 2]`` of ``index_rope``: the
-    leading frequencies of each half of the cache rows at ``positions``."""
+    """fp32 ``(cos, sin)`` ``[T, rope_dim // 2]`` at ``positions``."""
     half = rope_dim // 2
     sin_start = cos_sin_cache.shape[1] // 2
     rows = cos_sin_cache[positions.long()].float()
@@ -152,32 +142,27 @@ def rope_cos_sin(
 def canonical_topk_rows(
     logits: torch.Tensor, row_lens: torch.Tensor, k: int
 ) -> torch.Tensor:
-    """``canonical_topk``'s rows from the scores alone: per row the ``k``
-    largest of its first ``row_lens[r]`` scores (ties to the lowest column;
-    every column of a row no longer than ``k``), ascending, then -1."""
+    """``canonical_topk``'s rows from the scores alone: the ``k`` largest
+    (ties to the lowest column), ascending, then -1."""
     out = torch.full((logits.shape[0], k), -1, dtype=torch.int32)
     for r, n in enumerate(row_lens.tolist()):
         scores = logits[r, :n].float().cpu()
-        # A stable descending sort keeps equal scores in column order.
         order = torch.sort(scores, descending=True, stable=True).indices[:k]
         kept = torch.sort(order).values
         out[r, : kept.numel()] = kept.to(torch.int32)
     return out.to(logits.device)
 
 
-# Set while an entry point is to take its pure-torch path on every device.
 _TORCH_PATH = contextvars.ContextVar("kimi_k3_dsa_torch_path", default=False)
 
 
 def runs_torch_path(x: torch.Tensor) -> bool:
-    """Whether an entry point given ``x`` takes its pure-torch path: off
-    CUDA, or inside :func:`run_on_every_device`."""
+    """Whether an entry point given ``x`` takes its pure-torch path."""
     return not x.is_cuda or _TORCH_PATH.get()
 
 
 def run_on_every_device(entry: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``entry`` on its pure-torch path on every device, CUDA included (what
-    the GPU tests compare the kernels with), as ``name``."""
+    """``entry`` on its pure-torch path on every device, as ``name``."""
 
     @functools.wraps(entry)
     def run(*args: Any, **kwargs: Any) -> Any:
