@@ -44,6 +44,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dsa_layer_setup as S  # noqa: E402
+import indexer_share as I  # noqa: E402
+
+SHARED_LAYERS = tuple(f"{k}{I.SHARED_SUFFIX}" for k in ("fused", "wrapper"))
 
 HIDDEN = 7168
 # Kernel name -> stage, first match wins (case-insensitive). Names from the
@@ -279,6 +282,8 @@ def measure(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """Build one point, time it (and profile it), and free it."""
+    shared = kind in SHARED_LAYERS
+    kind = I.base_kind(kind)
     bench = S.setup(kind, spec, cfg, device)
     try:
         if kind == "fused" and bench.layer._packed is None:
@@ -286,14 +291,24 @@ def measure(
         reason = S.unsupported_reason(bench)
         if reason is not None:
             raise S.Unsupported(reason)
-        median, eager_reason = S.under_env(kind, time_step, bench, args.reps)
-        out: dict[str, Any] = dict(median_us=median)
+        out: dict[str, Any] = {}
+        exchange: Any = contextlib.nullcontext([])
+        if shared:
+            out["indexer_tp"] = args.indexer_tp
+            out["indexer_rows_by_rank"] = I.share_prefill_rows(bench, args.indexer_tp)
+            exchange = I.stand_in_row_exchange()
+        with exchange as exchanged:
+            median, eager_reason = S.under_env(kind, time_step, bench, args.reps)
+            if args.profile:
+                stages = S.under_env(kind, profile_step, bench)
+        if shared and out["indexer_rows_by_rank"] is not None and not exchanged:
+            raise RuntimeError("the indexer scored every row: no row exchange ran")
+        out["median_us"] = median
         if spec.mode == "decode":
             out["graph"] = eager_reason is None
             if eager_reason is not None:
                 out["graph_error"] = eager_reason
         if args.profile:
-            stages = S.under_env(kind, profile_step, bench)
             out["stages_us"], out["unclassified"] = stages
             out["metadata_build_us"] = S.under_env(
                 kind, metadata_build_us, bench, args.reps
@@ -347,7 +362,9 @@ def run(args: argparse.Namespace, on_record: Any = None) -> list[dict[str, Any]]
             if kind in S.DENSE_LAYERS and args.dense_backend is not None:
                 extra["attention_backend"] = args.dense_backend
             try:
-                cfg = S.make_vllm_config(kind, heads, HIDDEN, *sizes, **extra)
+                cfg = S.make_vllm_config(
+                    I.base_kind(kind), heads, HIDDEN, *sizes, **extra
+                )
                 init_runtime(cfg, device)
             except Exception as e:
                 cfg_error = _failure(e)
@@ -388,8 +405,17 @@ def print_table(records: list[dict[str, Any]]) -> None:
         if "median_us" in r
     }
     ran = {r["layer"] for r in records}
-    layers = [*S.DSA_LAYERS, *(k for k in S.DENSE_LAYERS if k in ran)]
-    short = {"wrapper": "wrap", "dense-bf16": "d-bf16", "dense-fp8": "d-fp8"}
+    layers = [
+        *S.DSA_LAYERS,
+        *(k for k in (*SHARED_LAYERS, *S.DENSE_LAYERS) if k in ran),
+    ]
+    short = {
+        "wrapper": "wrap",
+        "dense-bf16": "d-bf16",
+        "dense-fp8": "d-fp8",
+        "fused-shared": "f-shr",
+        "wrapper-shared": "w-shr",
+    }
     ratio_cols = [f"x {short.get(k, k)}" for k in layers[1:]]
     cols = ("heads", "mode", "B", "ctx", "T", *layers, *ratio_cols)
     width = max(9, *(len(c) for c in cols))
@@ -451,7 +477,19 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", nargs="+", choices=S.LAYERS, default=list(S.DSA_LAYERS))
+    p.add_argument(
+        "--layers",
+        nargs="+",
+        choices=(*S.LAYERS, *SHARED_LAYERS),
+        default=list(S.DSA_LAYERS),
+    )
+    p.add_argument(
+        "--indexer-tp",
+        type=int,
+        default=8,
+        help="TP size whose rank 0 the -shared layers time (its share of the "
+        "indexer's prefill rows)",
+    )
     p.add_argument("--tp-heads", nargs="+", type=int, default=[96, 12])
     # Either list may be given empty (a decode-only or prefill-only grid).
     p.add_argument("--decode-batches", nargs="*", type=int, default=[1, 8, 64, 256])
@@ -477,6 +515,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return args
     if not args.decode_batches and not args.prefill_chunks:
         p.error("no points: give --decode-batches or --prefill-chunks")
+    if args.indexer_tp < 2:
+        p.error(f"--indexer-tp must be at least 2, not {args.indexer_tp}")
     return args
 
 

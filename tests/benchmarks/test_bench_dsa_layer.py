@@ -928,3 +928,79 @@ def test_every_point_config_is_under_the_process_folder(configs) -> None:
     root = S._config_root()
     for kind, cfg in configs.items():
         assert Path(cfg.model_config.model).is_relative_to(root), kind
+
+
+# -- one TP rank's share of the indexer (fused-shared, wrapper-shared) --------
+
+
+def test_shared_layers_give_the_indexer_prefill_rows_a_rank_share():
+    """The balanced row shard of TP 8 on vLLM's indexer prefill metadata (the
+    builder's DeepGEMM planning needs CUDA, so the metadata is made here):
+    every prefill row on exactly one rank, of equal MQA cost."""
+    import types
+
+    import indexer_share as I
+
+    from vllm.v1.attention.backends.mla.indexer import (
+        DeepseekV32IndexerPrefillMetadata,
+    )
+
+    spec = SPECS[1]
+    common, _ = S.common_metadata(spec, CPU, max_model_len=4096)
+    prefill = DeepseekV32IndexerPrefillMetadata(chunks=[])
+    indexer = types.SimpleNamespace(prefill=prefill, num_decodes=0)
+    mla = types.SimpleNamespace(prefill=None, num_decodes=0)
+    bench = types.SimpleNamespace(
+        spec=spec, common=common, attn_metadata={"idx": indexer, "mla": mla}
+    )
+    sizes = I.share_prefill_rows(bench, 8)
+    assert sizes is not None and len(sizes) == 8 and min(sizes) >= 1
+    assert sum(sizes) == spec.num_tokens
+    # The first rows (the shortest causal spans) are the most.
+    assert sizes[0] > sizes[-1]
+    assert prefill.row_shard_sizes == sizes
+    bench.attn_metadata = {"mla": mla}
+    with pytest.raises(RuntimeError, match="no indexer prefill metadata"):
+        I.share_prefill_rows(bench, 8)
+    bench.spec = SPECS[0]
+    assert I.share_prefill_rows(bench, 8) is None
+
+
+def test_stand_in_exchange_moves_every_ranks_rows():
+    import indexer_share as I
+
+    from vllm.model_executor.layers import sparse_attn_indexer as upstream
+
+    original = upstream.PrefillRowShard.exchange_topk
+    shard = upstream.PrefillRowShard(num_decode_tokens=2, sizes=[3, 2, 2], rank=0)
+    buffer = torch.full((10, 4), -7, dtype=torch.int32)
+    buffer[2:5] = torch.arange(12, dtype=torch.int32).view(3, 4)
+    with I.stand_in_row_exchange() as exchanged:
+        shard.exchange_topk(buffer, 3)
+    assert exchanged == [7]
+    assert upstream.PrefillRowShard.exchange_topk is original
+    expected = torch.arange(12, dtype=torch.int32).view(3, 4)[:, :3]
+    assert torch.equal(buffer[2:5, :3], expected)
+    assert torch.equal(buffer[5:8, :3], expected)
+    assert torch.equal(buffer[8:9, :3], expected[:1])
+    # Decode rows, the columns past the width and rows past the shard: untouched.
+    assert (buffer[:2] == -7).all() and (buffer[5:9, 3] == -7).all()
+    assert (buffer[9:] == -7).all()
+
+
+def test_shared_layers_on_the_command_line(capsys):
+    args = B.parse_args(["--layers", "fused", "fused-shared", "--tp-heads", "12"])
+    assert args.layers == ["fused", "fused-shared"] and args.indexer_tp == 8
+    with pytest.raises(SystemExit):
+        B.parse_args(["--layers", "fused-shared", "--indexer-tp", "1"])
+    assert "--indexer-tp must be at least 2" in capsys.readouterr().err
+    rec = dict(heads=12, mode="prefill", batch=1, context=4096, tokens=1024)
+    B.print_table(
+        [
+            {**rec, "layer": "fused", "median_us": 60.0},
+            {**rec, "layer": "fused-shared", "median_us": 30.0},
+        ]
+    )
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split()[-2:] == ["x", "f-shr"]
+    assert row.split()[-1] == "0.50"
