@@ -63,6 +63,7 @@ ENGINES: dict[str, EngineSpec] = {
         },
     ),
     "pc-dspark-graphs": _draft("dspark", 2),
+    "pc-dspark-eager": _draft("dspark", 2, **EAGER),
     "pc-eagle3-graphs": _draft("eagle3", 1),
     "pc-eagle3-eager": _draft("eagle3", 1, **EAGER),
     MTP3: EngineSpec(
@@ -82,13 +83,18 @@ ENGINES: dict[str, EngineSpec] = {
 # Three draft steps writing the MLA cache in 64-token kernel pages (SM10x's
 # layout): Model Runner V2 remaps every draft step's slots.
 ENGINES[MTP3_PAGES] = dataclasses.replace(ENGINES[MTP3], env=MLA_KERNEL_PAGES)
+ENGINES["pc-mtp3-eager"] = dataclasses.replace(
+    ENGINES[MTP3], engine_kwargs={**ENGINES[MTP3].engine_kwargs, **EAGER}
+)
 # Label -> (the kv plan's --draft-method, speculative tokens).
 PLANS = {
     "pc-dspark-graphs": ("dspark", 2),
+    "pc-dspark-eager": ("dspark", 2),
     "pc-eagle3-graphs": ("eagle3", 1),
     "pc-eagle3-eager": ("eagle3", 1),
     MTP3: ("mtp", 3),
     MTP3_PAGES: ("mtp", 3),
+    "pc-mtp3-eager": ("mtp", 3),
 }
 
 
