@@ -22,7 +22,9 @@ whole multimodal checkpoint (its config, the text weights under
 :func:`real_attention_overrides` gives Kimi K3.1's attention at its real size
 (96 heads, 12 per rank at TP 8; the indexer's 32 heads of 128, top-k 2048)
 with the rest still small, for tensor-parallel tests; see
-:data:`TINY_REAL_ATTENTION`.
+:data:`TINY_REAL_ATTENTION`. Its ``one_rank_of_tp=N`` gives instead what one
+rank of TP N holds (``96 / N`` MLA and KDA heads, the indexer whole), a model
+that one GPU serves at TP 1 with a TP N deployment's per-rank shapes.
 
 The writers here update a directory in place (tests rewrite a config beside
 their own files); ``kimi-k3-dsa-tiny-checkpoint`` (:mod:`.tiny_checkpoint_cli`)
@@ -159,8 +161,23 @@ TINY_REAL_ATTENTION: dict[str, Any] = {
 # ~110 MB; 24 blocks are the real model's 24 DSA layers).
 MAX_ATTENTION_BLOCKS = 24
 
+# Kimi K3.1's MLA heads (num_attention_heads) and KDA heads
+# (linear_attn_config.num_heads) in kimi_k3_1_config.json. One rank of TP N
+# holds 1/N of each; the indexer is replicated, whole on every rank.
+REAL_NUM_HEADS = 96
+REAL_KDA_HEADS = 96
+# The TP sizes whose one rank the real-attention variant can stand for: those
+# that split both head counts evenly (vLLM refuses any other).
+ONE_RANK_TP_SIZES = tuple(
+    n
+    for n in range(1, REAL_NUM_HEADS + 1)
+    if REAL_NUM_HEADS % n == 0 and REAL_KDA_HEADS % n == 0
+)
 
-def real_attention_overrides(dsa: bool = True, blocks: int = 1) -> dict[str, Any]:
+
+def real_attention_overrides(
+    dsa: bool = True, blocks: int = 1, one_rank_of_tp: int | None = None
+) -> dict[str, Any]:
     """Text-config overrides (a fresh copy of :data:`TINY_REAL_ATTENTION`) for
     :func:`write_tiny_checkpoint` and friends: Kimi K3.1's real attention
     dimensions on a small model. ``dsa=False`` leaves out ``dsa_config``, as
@@ -170,13 +187,34 @@ def real_attention_overrides(dsa: bool = True, blocks: int = 1) -> dict[str, Any
     one attention layer) that many times: with one attention layer of four, a
     decode step is the engine's fixed host cost, whatever its attention
     does; more blocks give the attention the share of the step it has in the
-    real model (24 of 93 layers)."""
+    real model (24 of 93 layers).
+
+    ``one_rank_of_tp=N`` gives one rank of a TP N deployment, to serve at
+    TP 1: ``96 / N`` MLA heads and ``96 / N`` KDA heads (the real model's, not
+    the 80 the TP-sharded variant keeps), the indexer's 32 heads of 128 whole
+    (replicated on every rank), the rest unchanged. With ``blocks=24`` it is
+    one rank's attention at the real depth; ``None`` keeps the whole-model
+    variant."""
     if not 1 <= blocks <= MAX_ATTENTION_BLOCKS:
         raise ValueError(
             f"blocks={blocks}: give 1 to {MAX_ATTENTION_BLOCKS} repeats of the "
             "three-KDA, one-attention layer block"
         )
+    if one_rank_of_tp is not None and one_rank_of_tp not in ONE_RANK_TP_SIZES:
+        raise ValueError(
+            f"one_rank_of_tp={one_rank_of_tp}: give a TP size that divides Kimi "
+            f"K3.1's {REAL_NUM_HEADS} MLA and {REAL_KDA_HEADS} KDA heads: "
+            + ", ".join(map(str, ONE_RANK_TP_SIZES))
+        )
     overrides = copy.deepcopy(TINY_REAL_ATTENTION)
+    if one_rank_of_tp is not None:
+        heads = REAL_NUM_HEADS // one_rank_of_tp
+        overrides["num_attention_heads"] = overrides["num_key_value_heads"] = heads
+        overrides["linear_attn_config"]["num_heads"] = REAL_KDA_HEADS // one_rank_of_tp
+        # Without head_dim, transformers takes hidden_size // heads as the
+        # RoPE dimension and refuses an odd one (256 // 12 = 21); MLA rotates
+        # qk_rope_head_dim dimensions, and nothing else reads it.
+        overrides["head_dim"] = overrides["qk_rope_head_dim"]
     if not dsa:
         del overrides["dsa_config"]
     if blocks > 1:

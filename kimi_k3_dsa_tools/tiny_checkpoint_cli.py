@@ -6,7 +6,10 @@
 Writes the checkpoint of :mod:`kimi_k3_dsa_tools.tiny_checkpoint`
 (``config.json`` and ``model.safetensors``) into a new directory; see there
 for what it holds. ``--real-attention`` gives Kimi K3.1's attention at its
-real size with the rest still small, for tensor-parallel tests.
+real size with the rest still small, for tensor-parallel tests;
+``--one-rank-of-tp N`` with it gives one rank of TP N instead (``96 / N`` MLA
+and KDA heads, the indexer whole), to serve a deployment's per-rank shapes on
+one GPU at TP 1.
 
     python -m kimi_k3_dsa_tools.tiny_checkpoint_cli OUT_DIR
     vllm serve OUT_DIR --skip-tokenizer-init --max-model-len 1024
@@ -44,6 +47,9 @@ from typing import NoReturn
 from kimi_k3_dsa_tools.tiny_checkpoint import (
     CHECKPOINT_FILE,
     MAX_ATTENTION_BLOCKS,
+    ONE_RANK_TP_SIZES,
+    REAL_KDA_HEADS,
+    REAL_NUM_HEADS,
     checkpoint_dir_mode,
     real_attention_overrides,
     tiny_text_config,
@@ -259,6 +265,15 @@ def _parser() -> argparse.ArgumentParser:
         f"one attention layer) N times, 1 to {MAX_ATTENTION_BLOCKS} (1)",
     )
     parser.add_argument(
+        "--one-rank-of-tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --real-attention: one rank of TP N, to serve at TP 1 "
+        f"({REAL_NUM_HEADS} / N MLA and KDA heads, the 32 x 128 indexer "
+        f"whole); N one of {', '.join(map(str, ONE_RANK_TP_SIZES))}",
+    )
+    parser.add_argument(
         "--vocab-size",
         type=int,
         default=None,
@@ -314,6 +329,17 @@ def main(argv: list[str] | None = None) -> None:
                 f"give 1 to {MAX_ATTENTION_BLOCKS}",
                 2,
             )
+    if args.one_rank_of_tp is not None:
+        if not args.real_attention:
+            _exit("--one-rank-of-tp needs --real-attention", 2)
+        if args.one_rank_of_tp not in ONE_RANK_TP_SIZES:
+            _exit(
+                f"--one-rank-of-tp {args.one_rank_of_tp} is not accepted; give a "
+                f"TP size that divides Kimi K3.1's {REAL_NUM_HEADS} MLA and "
+                f"{REAL_KDA_HEADS} KDA heads: "
+                f"{', '.join(map(str, ONE_RANK_TP_SIZES))}",
+                2,
+            )
     if args.mtp_layers is not None and not 0 <= args.mtp_layers <= MAX_MTP_LAYERS:
         _exit(
             f"--mtp-layers {args.mtp_layers} is out of range; "
@@ -338,7 +364,11 @@ def main(argv: list[str] | None = None) -> None:
 
     dsa = not args.no_dsa
     blocks = 1 if args.attention_blocks is None else args.attention_blocks
-    overrides = real_attention_overrides(dsa, blocks) if args.real_attention else {}
+    overrides = (
+        real_attention_overrides(dsa, blocks, args.one_rank_of_tp)
+        if args.real_attention
+        else {}
+    )
     if args.vocab_size is not None:
         overrides["vocab_size"] = args.vocab_size
     if args.mtp_layers is not None:
@@ -382,7 +412,13 @@ def main(argv: list[str] | None = None) -> None:
     kind = "Kimi K3.1" if dsa else "plain Kimi K3"
     if args.draft is not None:
         kind = f"{args.draft} draft for a {kind}"
-    if args.real_attention:
+    if args.one_rank_of_tp is not None:
+        n = args.one_rank_of_tp
+        kind += (
+            f" (real attention dimensions, one rank of TP {n}: "
+            f"{REAL_NUM_HEADS // n} MLA and {REAL_KDA_HEADS // n} KDA heads)"
+        )
+    elif args.real_attention:
         kind += " (real attention dimensions)"
     files = "config.json" if args.config_only else f"config.json, {CHECKPOINT_FILE}"
     replaced = " (replacing its old contents)" if aside is not None else ""

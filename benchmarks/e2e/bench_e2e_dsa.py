@@ -38,6 +38,12 @@ same for every mode. ``--attention-blocks N`` repeats that four-layer block N
 times (the real model: 24 attention layers of 93), so that the attention has
 the share of the step it has there; give the KV cache room for N layers.
 
+``--one-rank-of-tp N`` writes instead what one rank of TP N holds (96 / N MLA
+and KDA heads, the 32 x 128 indexer whole, as it is replicated on every
+rank), served at TP 1: with ``--attention-blocks 24``, one TP 8 rank's
+attention at the real model's depth on one GPU, where the attention's share
+of the step is a deployed rank's.
+
 ``--modes mtp`` adds the fused engine with the checkpoint's MTP layer as a
 draft (``kimi_k3_mtp``, ``--mtp-tokens`` tokens) on the multimodal variant
 of the checkpoint (the same text weights plus an MTP layer). Its weights are
@@ -354,6 +360,7 @@ def run_engine(args: argparse.Namespace) -> int:
     step_log = attach_step_log(llm)
     text_config = llm.llm_engine.model_config.hf_text_config
     attention_layers = len(text_config.linear_attn_config["full_attn_layers"])
+    mla_heads = text_config.num_attention_heads
     # vllm bench latency's prompt ids: below 10000 (or the vocabulary).
     vocab = min(10000, llm.llm_engine.model_config.get_vocab_size())
     params = SamplingParams(
@@ -380,6 +387,7 @@ def run_engine(args: argparse.Namespace) -> int:
             record = {
                 "mode": args.mode,
                 "attention_layers": attention_layers,
+                "mla_heads": mla_heads,
                 "start": args.start,
                 "iter": it,
                 **asdict(row),
@@ -411,11 +419,17 @@ def write_checkpoints(
     blocks: int = 1,
     vocab_size: int = VOCAB_SIZE,
     multimodal: bool = False,
+    one_rank_of_tp: int | None = None,
 ) -> dict[str, Path]:
     """The DSA and the dense real-attention checkpoints (same seed, ``blocks``
-    repeats of the three-KDA, one-attention layer block), once; with
-    ``multimodal``, the DSA one's multimodal variant too (its MTP layer)."""
+    repeats of the three-KDA, one-attention layer block, with
+    ``one_rank_of_tp`` one rank of that TP size's heads), once; with
+    ``multimodal``, the DSA one's multimodal variant too (its MTP layer).
+    The directory names carry every shape option, so that runs of other
+    shapes under the same ``out`` never reuse them."""
     suffix = "" if blocks == 1 else f"-b{blocks}"
+    if one_rank_of_tp is not None:
+        suffix += f"-rank-of-tp{one_rank_of_tp}"
     suffix += f"-v{vocab_size}"
     paths = {"dsa": out / f"ckpt-dsa{suffix}", "dense": out / f"ckpt-dense{suffix}"}
     if multimodal:
@@ -431,8 +445,26 @@ def write_checkpoints(
         extra = extra.get(kind, [])
         extra += ["--config-only"] if config_only else ["--seed", str(seed)]
         extra += ["--attention-blocks", str(blocks), "--vocab-size", str(vocab_size)]
+        if one_rank_of_tp is not None:
+            extra += ["--one-rank-of-tp", str(one_rank_of_tp)]
         subprocess.run([*command, str(path), "--real-attention", *extra], check=True)
     return paths
+
+
+def checkpoint_shape(blocks: int, one_rank_of_tp: int | None) -> str:
+    """The plan's line on the checkpoints' attention, from the writer's own
+    config (what the engines will serve)."""
+    from kimi_k3_dsa_tools.tiny_checkpoint import real_attention_overrides
+
+    config = real_attention_overrides(True, blocks, one_rank_of_tp)
+    dsa = config["dsa_config"]
+    rank = "" if one_rank_of_tp is None else f"one rank of TP {one_rank_of_tp}: "
+    return (
+        f"{blocks} attention layer(s) of {config['num_hidden_layers']}, {rank}"
+        f"{config['num_attention_heads']} MLA heads, "
+        f"{config['linear_attn_config']['num_heads']} KDA heads, indexer "
+        f"{dsa['index_num_heads']} x {dsa['index_head_dim']} (whole)"
+    )
 
 
 def engine_command(
@@ -491,8 +523,8 @@ def drive(args: argparse.Namespace) -> int:
             f"{args.max_prefill_tokens}): "
             + ", ".join(f"{r.input_len}x{r.batch}" for r in skipped)
         )
-    blocks = args.attention_blocks
-    print(f"checkpoint: {blocks} attention layer(s) of {4 * blocks}")
+    shape = checkpoint_shape(args.attention_blocks, args.one_rank_of_tp)
+    print(f"checkpoint: {shape}")
     print(
         "tokens prefilled per engine: "
         f"{sum(r.prefill_tokens for r in rows) * (args.iters + 1):,}"
@@ -507,6 +539,7 @@ def drive(args: argparse.Namespace) -> int:
         blocks=args.attention_blocks,
         vocab_size=args.vocab_size,
         multimodal="mtp" in args.modes,
+        one_rank_of_tp=args.one_rank_of_tp,
     )
     if args.vllm_bench_latency:
         return drive_vllm_bench_latency(args, out, ckpts, order)
@@ -655,6 +688,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "real model has 24 attention layers of 93",
     )
     p.add_argument(
+        "--one-rank-of-tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="checkpoints of one rank of TP N, served at TP 1 (96 / N MLA and "
+        "KDA heads, the indexer whole); default: all 96 MLA heads",
+    )
+    p.add_argument(
         "--kv-cache-gib",
         type=float,
         default=6.0,
@@ -699,6 +740,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.command is None:
+        # The checkpoint writer's own limits, refused before any engine runs.
+        from kimi_k3_dsa_tools.tiny_checkpoint import (
+            MAX_ATTENTION_BLOCKS,
+            ONE_RANK_TP_SIZES,
+        )
+
+        if args.attention_blocks > MAX_ATTENTION_BLOCKS:
+            p.error(f"--attention-blocks: at most {MAX_ATTENTION_BLOCKS}")
+        rank = args.one_rank_of_tp
+        if rank is not None and rank not in ONE_RANK_TP_SIZES:
+            sizes = ", ".join(map(str, ONE_RANK_TP_SIZES))
+            p.error(
+                f"--one-rank-of-tp {rank}: give a TP size that divides Kimi "
+                f"K3.1's 96 MLA and KDA heads: {sizes}"
+            )
     if args.command != "engine" and args.vllm_bench_latency and "mtp" in args.modes:
         p.error("--vllm-bench-latency runs the fused, wrapper and dense modes only")
     if args.command != "engine" and args.vllm_bench_latency and args.vocab_size < 10000:

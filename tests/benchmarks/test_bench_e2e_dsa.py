@@ -8,6 +8,10 @@ engines themselves need a GPU (``tools/gpu/run.py``)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -218,10 +222,18 @@ def test_bad_counts_are_refused(
     assert f"{option} must be at least 1" in capsys.readouterr().err
 
 
+# One TP 8 rank of Kimi K3.1 at its real depth (24 attention layers).
+ONE_RANK_AT_DEPTH = ["--attention-blocks", "24", "--one-rank-of-tp", "8"]
+
+
 @pytest.mark.parametrize(
     ("argv", "kv_gib"),
-    [([], 6), (["--attention-blocks", "4", "--kv-cache-gib", "24"], 24)],
-    ids=["one-block", "four-blocks"],
+    [
+        ([], 6),
+        (["--attention-blocks", "4", "--kv-cache-gib", "24"], 24),
+        ([*ONE_RANK_AT_DEPTH, "--kv-cache-gib", "24"], 24),
+    ],
+    ids=["one-block", "four-blocks", "one-rank-of-tp8"],
 )
 def test_engine_arguments_pass_vllms_configuration(
     tmp_path: Path, engine_config, argv: list[str], kv_gib: int
@@ -232,7 +244,11 @@ def test_engine_arguments_pass_vllms_configuration(
     args = E.parse_args(["--dry-run", *argv])
     args.start = 0
     ckpts = E.write_checkpoints(
-        tmp_path, seed=0, config_only=True, blocks=args.attention_blocks
+        tmp_path,
+        seed=0,
+        config_only=True,
+        blocks=args.attention_blocks,
+        one_rank_of_tp=args.one_rank_of_tp,
     )
     max_len = 131072 + args.output_len
     for kind, path in ckpts.items():
@@ -251,6 +267,9 @@ def test_engine_arguments_pass_vllms_configuration(
         assert text.linear_attn_config["full_attn_layers"] == [
             4 * (b + 1) for b in range(blocks)
         ]
+        heads = 96 // (args.one_rank_of_tp or 1)
+        assert cfg.model_config.get_num_attention_heads(cfg.parallel_config) == heads
+        assert cfg.parallel_config.tensor_parallel_size == 1
 
 
 def test_vllm_bench_latency_gets_the_drivers_engine(
@@ -358,3 +377,152 @@ def test_summarize_committed_records_as_markdown(
     empty.write_text("")
     with pytest.raises(SystemExit, match="no records in"):
         E.main(["summarize", str(empty)])
+
+
+RANK_FLAGS = ["--one-rank-of-tp", "8"]
+
+
+def _written(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The checkpoint writer's command lines, run by nothing."""
+    commands: list[list[str]] = []
+
+    def run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(E.subprocess, "run", run)
+    return commands
+
+
+def test_one_rank_of_tp_reaches_the_checkpoint_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commands = _written(monkeypatch)
+    rank = E.write_checkpoints(tmp_path, seed=3, blocks=24, one_rank_of_tp=8)
+    assert len(commands) == 2
+    for kind, command in zip(("dsa", "dense"), commands, strict=True):
+        assert command[-len(RANK_FLAGS) :] == RANK_FLAGS
+        assert command[command.index("--attention-blocks") + 1] == "24"
+        assert str(rank[kind]) in command
+        assert ("--no-dsa" in command) == (kind == "dense")
+    # Another shape under the same --out gets directories of its own.
+    assert {p.name for p in rank.values()} == {
+        "ckpt-dsa-b24-rank-of-tp8-v10240",
+        "ckpt-dense-b24-rank-of-tp8-v10240",
+    }
+    whole = E.write_checkpoints(tmp_path, seed=3, blocks=24)
+    assert not set(whole.values()) & set(rank.values())
+    assert all("--one-rank-of-tp" not in c for c in commands[2:])
+
+
+@pytest.mark.parametrize("latency", [False, True], ids=["loop", "vllm-bench-latency"])
+def test_the_driver_serves_the_one_rank_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, latency: bool
+) -> None:
+    """Both the driver's loop and --vllm-bench-latency write the checkpoints
+    with the flag and hand exactly those to the engines."""
+    commands = _written(monkeypatch)
+    served: dict[str, Path] = {}
+
+    def fake_latency(args, out, ckpts, order) -> int:
+        served.update(ckpts)
+        return 0
+
+    monkeypatch.setattr(E, "drive_vllm_bench_latency", fake_latency)
+    argv = ["--out", str(tmp_path), "--modes", "fused", "dense", "--starts", "1"]
+    argv += ["--input-lens", "32768", "--batch-sizes", "1"]
+    argv += ONE_RANK_AT_DEPTH
+    assert E.main(argv + (["--vllm-bench-latency"] if latency else [])) == 0
+    writes = [c for c in commands if "--real-attention" in c]
+    assert len(writes) == 2 and all(c[-2:] == RANK_FLAGS for c in writes)
+    written = {Path(c[c.index("--real-attention") - 1]) for c in writes}
+    if latency:
+        assert set(served.values()) == written
+    else:
+        engines = [c for c in commands if "engine" in c]
+        models = {Path(c[c.index("--model") + 1]) for c in engines}
+        assert len(engines) == 2 and models == written
+
+
+def test_dry_run_names_the_one_rank_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    assert E.main(["--dry-run", *ONE_RANK_AT_DEPTH]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "checkpoint: 24 attention layer(s) of 96, one rank of TP 8: 12 MLA heads, "
+        "12 KDA heads, indexer 32 x 128 (whole)"
+    ) in out
+    assert E.main(["--dry-run"]) == 0
+    assert "1 attention layer(s) of 4, 96 MLA heads, 80 KDA heads" in (
+        capsys.readouterr().out
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--one-rank-of-tp", "5"], "--one-rank-of-tp 5: give a TP size that divides"),
+        (["--one-rank-of-tp", "0"], "32, 48, 96"),
+        (["--attention-blocks", "25"], "--attention-blocks: at most 24"),
+    ],
+)
+def test_shapes_the_writer_refuses_are_refused_before_any_engine(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit):
+        E.parse_args(["--dry-run", *argv])
+    assert message in capsys.readouterr().err
+
+
+def _suite_args(command: str, logs: Path) -> argparse.Namespace:
+    """A runner suite's bench_e2e_dsa.py command line, parsed by the driver."""
+    argv = shlex.split(command.replace("$LOGS", str(logs)))
+    assert argv[:2] == ["python3", "benchmarks/e2e/bench_e2e_dsa.py"]
+    return E.parse_args(argv[2:])
+
+
+@pytest.mark.parametrize(
+    "suite",
+    ["e2e-bench-one-rank", "e2e-bench-one-rank-b64", "vllm-bench-latency-one-rank"],
+)
+def test_one_rank_suites_plan_their_rows_in_their_kv_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], suite: str
+) -> None:
+    """The runner's one-rank suites parse, serve one TP 8 rank at the real
+    depth, fused against dense, and give every row's batch room in the KV
+    cache: the DSA engine's blocks by the plan command, dense MLA's bf16
+    cache and KDA states by their bytes (a floor of what it allocates)."""
+    from kimi_k3_dsa_tools import kv_plan_cli
+
+    run = _runner_module()
+    args = _suite_args(run.SUITES[suite].command, tmp_path)
+    assert (args.one_rank_of_tp, args.attention_blocks) == (8, 24)
+    assert args.modes == ["fused", "dense"] and args.starts == 1
+    assert args.vllm_bench_latency == suite.startswith("vllm-bench-latency")
+    assert run.SUITES[suite].timeout_s <= 1200
+    rows, _ = E.plan_rows(args.input_lens, args.batch_sizes, args.max_prefill_tokens)
+    assert rows
+    ckpt = E.write_checkpoints(
+        tmp_path, seed=0, config_only=True, blocks=24, one_rank_of_tp=8
+    )["dsa"]
+    capsys.readouterr()
+    argv = ["--config", str(ckpt), "--tp", "1", "--max-model-len", "4096"]
+    argv += ["--kv-budget", f"{args.kv_cache_gib}GiB", "--json"]
+    assert kv_plan_cli.main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    budget = args.kv_cache_gib * 2**30
+    for row in rows:
+        tokens = row.input_len + args.output_len
+        per_request = -(-tokens // plan["block_size"]) + plan["num_state_groups"]
+        assert row.batch * per_request <= plan["num_blocks"], row
+        dense = 24 * 2 * (512 + 64) * tokens + 72 * plan["kda_state_bytes"]
+        assert row.batch * dense <= budget, row
+
+
+def _runner_module():
+    runner = _ROOT / "tools" / "gpu"
+    sys.path.insert(0, str(runner))
+    try:
+        import run
+    finally:
+        sys.path.remove(str(runner))
+    return run

@@ -27,6 +27,9 @@ What runs for real, and what stands in:
   it and vLLM's linears read patched (one CPU process cannot form a TP
   group): the per-rank shapes are the layer code's own. The whole model is
   built and loaded at TP 1 only.
+* The one-rank variant (``--one-rank-of-tp 8``: one TP 8 rank's 12 MLA and
+  12 KDA heads, the indexer whole) through the same configuration path and
+  plan at TP 1, and its DSA layer against rank 0 of TP 8's.
 """
 
 from __future__ import annotations
@@ -252,6 +255,214 @@ def test_cli_vocab_size_reaches_config_and_weights(tmp_path: Path) -> None:
     with safe_open(str(out / T.CHECKPOINT_FILE), framework="pt") as f:
         assert f.get_slice("model.embed_tokens.weight").get_shape()[0] == 10240
         assert f.get_slice("lm_head.weight").get_shape()[0] == 10240
+
+
+# -- one rank of TP N (--one-rank-of-tp) ---------------------------------------
+
+RANK_TP = 8
+RANK_HEADS = HEADS // RANK_TP  # 12: one TP 8 rank's MLA and KDA heads
+
+
+def one_rank_config(blocks: int = 1) -> dict[str, Any]:
+    return T.tiny_text_config(
+        **T.real_attention_overrides(blocks=blocks, one_rank_of_tp=RANK_TP)
+    )
+
+
+@pytest.fixture(scope="module")
+def one_rank_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One TP 8 rank, one layer block, with weights, by the command line."""
+    out = tmp_path_factory.mktemp("one_rank") / "ckpt"
+    cli.main([str(out), "--real-attention", "--one-rank-of-tp", str(RANK_TP)])
+    return out
+
+
+def test_one_rank_accepted_sizes_divide_both_head_counts() -> None:
+    real = json.loads(BUNDLED.read_text())
+    assert T.REAL_NUM_HEADS == real["num_attention_heads"] == HEADS
+    assert T.REAL_KDA_HEADS == real["linear_attn_config"]["num_heads"] == HEADS
+    assert T.ONE_RANK_TP_SIZES == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96)
+
+
+@pytest.mark.parametrize("tp", T.ONE_RANK_TP_SIZES)
+def test_one_rank_holds_its_share_of_the_heads(tp: int) -> None:
+    """MLA and KDA heads divided by the TP size; the indexer, replicated on
+    every rank, whole; every other field the whole-model variant's."""
+    whole = T.real_attention_overrides(blocks=24)
+    rank = T.real_attention_overrides(blocks=24, one_rank_of_tp=tp)
+    assert rank["num_attention_heads"] == rank["num_key_value_heads"] == HEADS // tp
+    assert rank["linear_attn_config"]["num_heads"] == HEADS // tp
+    assert rank["dsa_config"] == whole["dsa_config"]
+    assert rank["dsa_config"]["index_num_heads"] == INDEX_HEADS
+    assert rank["dsa_config"]["index_head_dim"] == INDEX_DIM
+    # An even RoPE dimension whatever hidden_size // heads is (256 // 12 = 21).
+    assert rank["head_dim"] == rank["qk_rope_head_dim"] == QK_ROPE
+    for config in (rank, whole):
+        for key in ("num_attention_heads", "num_key_value_heads", "head_dim"):
+            config.pop(key, None)
+        del config["linear_attn_config"]["num_heads"]
+    assert rank == whole
+    # The default (None) is the whole-model variant, 80 KDA heads.
+    default = T.real_attention_overrides()
+    assert T.real_attention_overrides(one_rank_of_tp=None) == default
+    assert default["linear_attn_config"]["num_heads"] == KDA_HEADS
+
+
+@pytest.mark.parametrize("tp", [0, -8, 5, 7, 64, 192])
+def test_one_rank_of_a_tp_that_splits_no_head_count_is_refused(tp: int) -> None:
+    with pytest.raises(ValueError) as refused:
+        T.real_attention_overrides(one_rank_of_tp=tp)
+    message = str(refused.value)
+    assert message.startswith(f"one_rank_of_tp={tp}: ")
+    assert message.endswith("1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96")
+
+
+def test_cli_one_rank_reaches_the_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "rank"
+    cli.main([
+        str(out), "--real-attention", "--one-rank-of-tp", "8",
+        "--attention-blocks", "24", "--config-only",
+    ])  # fmt: skip
+    assert "one rank of TP 8: 12 MLA and 12 KDA heads" in capsys.readouterr().out
+    config = json.loads((out / T.CONFIG_FILE).read_text())
+    assert config == one_rank_config(blocks=24)
+    assert config["num_attention_heads"] == config["num_key_value_heads"] == 12
+    assert config["linear_attn_config"]["num_heads"] == 12
+    dsa = config["dsa_config"]
+    assert (dsa["index_num_heads"], dsa["index_head_dim"]) == (32, 128)
+    assert dsa["index_topk"] == 2048
+    # The real depth: 24 attention layers, as in Kimi K3.1.
+    assert len(config["linear_attn_config"]["full_attn_layers"]) == 24
+    assert config["num_hidden_layers"] == 96
+    cli.main([
+        str(tmp_path / "dense"), "--real-attention", "--no-dsa",
+        "--one-rank-of-tp", "8", "--config-only",
+    ])  # fmt: skip
+    dense = json.loads((tmp_path / "dense" / T.CONFIG_FILE).read_text())
+    assert "dsa_config" not in dense and dense["num_attention_heads"] == 12
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--real-attention", "--one-rank-of-tp", "5"],
+        ["--real-attention", "--one-rank-of-tp", "0"],
+        ["--real-attention", "--one-rank-of-tp", "192"],
+        ["--one-rank-of-tp", "8"],
+    ],
+    ids=["5", "0", "192", "no-real-attention"],
+)
+def test_cli_bad_one_rank_is_refused_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    out = tmp_path / "bad"
+    with pytest.raises(SystemExit) as refused:
+        cli.main([str(out), *argv])
+    assert refused.value.code == 2
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--one-rank-of-tp" in err
+    if "--real-attention" in argv:
+        assert err.endswith("1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96")
+    else:
+        assert err.endswith("--one-rank-of-tp needs --real-attention")
+
+
+def test_cli_one_rank_weights_have_one_ranks_shapes(one_rank_checkpoint: Path) -> None:
+    """The written tensors: the MLA and KDA projections hold 12 heads' rows
+    (what rank 0 of TP 8 loads of the whole model), the indexer all 32."""
+    from safetensors import safe_open
+
+    config = json.loads((one_rank_checkpoint / T.CONFIG_FILE).read_text())
+    assert config == one_rank_config()
+    with safe_open(str(one_rank_checkpoint / T.CHECKPOINT_FILE), framework="pt") as f:
+        names = f.keys()
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in names}
+    assert shapes == W.tiny_checkpoint_shapes(config)
+    local = RANK_HEADS
+    p = f"model.layers.{DSA_LAYER}.self_attn."
+    assert shapes[p + "q_b_proj.weight"] == (local * (QK_NOPE + QK_ROPE), Q_LORA)
+    assert shapes[p + "kv_b_proj.weight"] == (local * (QK_NOPE + V_DIM), KV_LORA)
+    assert shapes[p + "o_proj.weight"] == (HIDDEN, local * V_DIM)
+    assert shapes[p + "g_proj.weight"] == (local * V_DIM, HIDDEN)
+    assert shapes[p + "indexer.wq_b.weight"] == (INDEX_HEADS * INDEX_DIM, Q_LORA)
+    assert shapes[p + "indexer.weights_proj.weight"] == (INDEX_HEADS, HIDDEN)
+    kda = "model.layers.0.self_attn."
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        assert shapes[kda + proj + ".weight"] == (local * KDA_DIM, HIDDEN)
+    assert shapes[kda + "o_proj.weight"] == (HIDDEN, local * KDA_DIM)
+    assert shapes[kda + "b_proj.weight"] == (local, HIDDEN)
+    assert shapes[kda + "A_log"] == (local,)
+
+
+def test_one_rank_dsa_layer_is_rank_0_of_tp8s(
+    dsa_layer_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-rank variant's DSA layer at TP 1 has the parameters, by name
+    and shape, that rank 0 of TP 8 builds of the whole-model variant."""
+    import vllm.models.kimi_k3.nvidia.dsa as D
+    from vllm.model_executor.layers import linear
+
+    def shapes(config: Any, tp: int) -> dict[str, tuple[int, ...]]:
+        for module in (D, linear):
+            monkeypatch.setattr(
+                module, "get_tensor_model_parallel_world_size", lambda: tp
+            )
+        topk = config.dsa_config.index_topk
+        layer = build(
+            dsa_layer_env,
+            config,
+            topk_indices_buffer=torch.full((16, topk), -1, dtype=torch.int32),
+        )
+        assert layer.num_local_heads == RANK_HEADS
+        return {n: tuple(p.shape) for n, p in layer.named_parameters()}
+
+    rank = dsa_layer_env.text_config(
+        **T.real_attention_overrides(one_rank_of_tp=RANK_TP)
+    )
+    whole = dsa_layer_env.text_config(**T.real_attention_overrides())
+    assert shapes(rank, 1) == shapes(whole, RANK_TP)
+
+
+def test_engine_config_of_one_rank_at_tp1(
+    one_rank_checkpoint: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's configuration path takes the one-rank checkpoint at TP 1 (the
+    even head_dim gets it past transformers' RoPE check) with one TP 8 rank's
+    heads. Its packed block is 2048 tokens where TP 8's is 1024: the KDA
+    state is the same bytes, but the block is rounded at the reference TP 16
+    and scaled by 16 / TP (``packed_block_size_from_bytes``)."""
+    cfg = create_engine_config(
+        one_rank_checkpoint, tensor_parallel_size=1, max_model_len=MAX_MODEL_LEN
+    )
+    parallel, model = cfg.parallel_config, cfg.model_config
+    assert parallel.tensor_parallel_size == parallel.world_size == 1
+    assert model.get_num_attention_heads(parallel) == RANK_HEADS
+    assert model.use_mla and model.is_hybrid
+    text = model.hf_text_config
+    assert text.linear_attn_config["num_heads"] == RANK_HEADS
+    assert (text.dsa_config.index_num_heads, text.dsa_config.index_head_dim) == (
+        INDEX_HEADS,
+        INDEX_DIM,
+    )
+    assert cfg.cache_config.cache_dtype == "fp8_ds_mla"
+    block = sm90_block_size(cfg, monkeypatch)
+    ours = plan(
+        capsys, "--config", str(one_rank_checkpoint), "--tp", "1",
+        "--kv-budget", str(KV_BUDGET), "--max-model-len", str(MAX_MODEL_LEN),
+    )  # fmt: skip
+    real = plan(
+        capsys, "--tp", str(RANK_TP), "--kv-budget", "60GiB",
+        "--max-model-len", str(MAX_MODEL_LEN),
+    )  # fmt: skip
+    # One TP 8 rank's KDA state, to the byte.
+    assert ours["kda_state_bytes"] == real["kda_state_bytes"]
+    assert (block, ours["block_size"]) == (2048, 2048)
+    assert real["block_size"] == REAL_BLOCK[RANK_TP] == 1024
 
 
 # -- the engine configuration at TP 1, 2 and 8 --------------------------------

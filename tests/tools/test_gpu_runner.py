@@ -137,12 +137,42 @@ def test_the_cute_dsl_suites_find_its_cutlass_before_vllms():
         "e2e-bench-grid",
         "e2e-profile-decode",
         "vllm-bench-latency",
+        "e2e-bench-one-rank",
+        "e2e-bench-one-rank-b64",
+        "vllm-bench-latency-one-rank",
     )
     for name in cute_suites:
         path = run.SUITES[name].env["PYTHONPATH"].split(":")
         assert path == [str(dsl), str(run.SITE), str(run.SITE_CUTE)], name
     assert suite.env["VLLM_KIMI_K3_GEMM_AR"] == "0"
     assert suite.timeout_s <= 600
+
+
+def test_the_e2e_bench_suites_parse(tmp_path):
+    """Every suite that runs bench_e2e_dsa.py gives it a command line its
+    parser takes, the one-rank suites one TP 8 rank at the real depth."""
+    import shlex
+
+    run = _run_module()
+    e2e = str(RUNNER.parents[2] / "benchmarks" / "e2e")
+    sys.path.insert(0, e2e)
+    try:
+        import bench_e2e_dsa
+    finally:
+        sys.path.remove(e2e)
+    script = ["python3", "benchmarks/e2e/bench_e2e_dsa.py"]
+    parsed = {}
+    for name, suite in run.SUITES.items():
+        argv = shlex.split(suite.command.replace("$LOGS", str(tmp_path)))
+        if argv[:2] == script:
+            parsed[name] = bench_e2e_dsa.parse_args(argv[2:])
+    one_rank = {"e2e-bench-one-rank", "e2e-bench-one-rank-b64"}
+    one_rank.add("vllm-bench-latency-one-rank")
+    assert one_rank | {"e2e-bench-grid", "vllm-bench-latency"} <= set(parsed)
+    for name, args in parsed.items():
+        assert args.out == str(tmp_path), name
+        rank = (args.one_rank_of_tp, args.attention_blocks)
+        assert (rank == (8, 24)) == (name in one_rank), name
 
 
 def test_a_poll_keeps_large_files_that_compress_and_names_what_it_leaves_out(

@@ -269,6 +269,41 @@ SUITES: dict[str, Suite] = {
         "vLLM's own `vllm bench latency`, fused and dense, on the driver's "
         "checkpoints and engine arguments (a cross-check of e2e-bench-grid)",
     ),
+    "e2e-bench-one-rank": Suite(
+        "python3 benchmarks/e2e/bench_e2e_dsa.py "
+        "--out $LOGS --modes fused dense --starts 1 --iters 3 "
+        "--input-lens 32768 131072 --batch-sizes 1 16 64 "
+        "--max-prefill-tokens 600000 --one-rank-of-tp 8 --attention-blocks 24 "
+        "--kv-cache-gib 24",
+        CUTE_ENV,
+        900,
+        "DSA fused against dense MLA end to end on one TP 8 rank of Kimi K3.1 "
+        "at TP 1 (12 MLA and 12 KDA heads, the 32 x 128 indexer, 24 attention "
+        "layers of 96): 32K x 1 and x 16, 128K x 1. The 2.1M-token rows take "
+        "minutes of prefill a repeat at 24 layers: 32K x 64 is "
+        "e2e-bench-one-rank-b64, 128K x 16 is left out",
+    ),
+    "e2e-bench-one-rank-b64": Suite(
+        "python3 benchmarks/e2e/bench_e2e_dsa.py "
+        "--out $LOGS --modes fused dense --starts 1 --iters 2 "
+        "--input-lens 32768 --batch-sizes 64 --one-rank-of-tp 8 "
+        "--attention-blocks 24 --kv-cache-gib 64",
+        CUTE_ENV,
+        900,
+        "e2e-bench-one-rank's 32K x 64 row alone (2.1M prefill tokens a repeat; "
+        "64 GiB of KV cache holds dense MLA's 64 x 32K at 24 layers)",
+    ),
+    "vllm-bench-latency-one-rank": Suite(
+        "python3 benchmarks/e2e/bench_e2e_dsa.py --out $LOGS --vllm-bench-latency "
+        "--modes fused dense --starts 1 --iters 3 --input-lens 32768 131072 "
+        "--batch-sizes 1 --one-rank-of-tp 8 --attention-blocks 24 --kv-cache-gib 24",
+        CUTE_ENV,
+        # Four starts of a 96-layer engine (compile and graph capture each).
+        1200,
+        "vLLM's own `vllm bench latency`, fused and dense, on the checkpoints "
+        "and engine arguments of e2e-bench-one-rank (one TP 8 rank, 24 "
+        "attention layers)",
+    ),
     "e2e-profile-decode": Suite(
         "C=kimi_k3_dsa_tools.tiny_checkpoint_cli; "
         "python3 -m $C $LOGS/ckpt-dsa-b4 --real-attention --attention-blocks 4 && "
