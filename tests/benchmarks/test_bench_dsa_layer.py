@@ -118,8 +118,7 @@ def _torch_slots(n, slot_mapping, qsl, seq_lens, table, block, **kw):
 @pytest.fixture
 def cpu_stubs(monkeypatch):
     import vllm.model_executor.layers.attention.mla_attention as mla
-    import vllm.models.kimi_k3.nvidia.dsa_fused as DF
-    import vllm.models.kimi_k3.nvidia.dsa_indexer as DI
+    import vllm.models.kimi_k3.nvidia.dsa as D
     import vllm.v1.attention.backends.mla.flashmla_sparse as FS
     import vllm.v1.attention.ops.metadata as MD
     from vllm.models.kimi_k3.common import dsa_cache
@@ -135,8 +134,7 @@ def cpu_stubs(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(mla, "get_attn_backend", select)
-    monkeypatch.setattr(DF, "kimi_k3_extension_available", lambda: True)
-    monkeypatch.setattr(DI, "_extension_loaded", lambda: True)
+    monkeypatch.setattr(D, "kimi_k3_extension_available", lambda: True)
 
     def token_to_req(qsl, buffer, num_mapped, num_out):
         ids = torch.repeat_interleave(torch.arange(len(qsl) - 1), torch.diff(qsl))

@@ -145,7 +145,7 @@ def test_our_modules_import_each_other_without_a_cycle() -> None:
     files = module_files(OUR_MODULES)
     for name in (
         "vllm.models.kimi_k3.nvidia.dsa",
-        "vllm.models.kimi_k3.nvidia.dsa_fused",
+        "vllm.models.kimi_k3.nvidia.dsa_indexer_op",
         "vllm.models.kimi_k3.nvidia.dsa_model",
         "vllm.models.kimi_k3.common.dsa_cache",
     ):

@@ -21,35 +21,33 @@ from __future__ import annotations
 import pytest
 
 import vllm.models.kimi_k3.nvidia.dsa as D
-import vllm.models.kimi_k3.nvidia.dsa_fused as DF
-import vllm.models.kimi_k3.nvidia.dsa_indexer as DI
 
 
 @pytest.fixture(autouse=True)
 def extension_built(monkeypatch: pytest.MonkeyPatch) -> None:
     """Most tests describe a deployment with vllm._kimi_k3_C built (a CPU CI
     machine may or may not load it); the tests of its absence undo this."""
-    monkeypatch.setattr(DI, "_extension_loaded", lambda: True)
+    monkeypatch.setattr(D, "kimi_k3_extension_available", lambda: True)
 
 
 @pytest.fixture
 def log(record_logs):
     """The DSA layer and indexer modules' log messages."""
-    return record_logs(D, DI)
+    return record_logs(D)
 
 
 @pytest.fixture
 def extension(monkeypatch):
     """Pretend ``vllm._kimi_k3_C`` and the fused entry points are usable
     (whether this machine built the extension or not)."""
-    monkeypatch.setattr(DF, "kimi_k3_extension_available", lambda: True)
+    monkeypatch.setattr(D, "kimi_k3_extension_available", lambda: True)
 
 
 @pytest.fixture
 def no_extension(monkeypatch):
     """A machine without ``vllm._kimi_k3_C`` (CI builds it; a user's install
     without nvcc has none)."""
-    monkeypatch.setattr(DF, "kimi_k3_extension_available", lambda: False)
+    monkeypatch.setattr(D, "kimi_k3_extension_available", lambda: False)
     monkeypatch.setattr(
-        DF.dsa_extension, "unavailable_reason", lambda: "vllm._kimi_k3_C not available"
+        D.dsa_extension, "unavailable_reason", lambda: "vllm._kimi_k3_C not available"
     )

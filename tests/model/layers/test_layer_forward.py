@@ -20,8 +20,6 @@ from layer_builders import (
 )
 
 import vllm.models.kimi_k3.nvidia.dsa as D
-import vllm.models.kimi_k3.nvidia.dsa_fused as DF
-import vllm.models.kimi_k3.nvidia.dsa_indexer as DI
 import vllm.models.kimi_k3.nvidia.dsa_low_latency as LL
 
 # --------------------------------------------------------------------------
@@ -224,8 +222,8 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
         calls["prologue_kwargs"] = kwargs
         return q_c_normed, kv_c_normed
 
-    monkeypatch.setattr(DF, "dsa_fused_prologue", prologue)
-    monkeypatch.setattr(DF, "mxfp4_fused_prologue", None)  # fp8 keys here
+    monkeypatch.setattr(D, "dsa_fused_prologue", prologue)
+    monkeypatch.setattr(D, "mxfp4_fused_prologue", None)  # fp8 keys here
     monkeypatch.setattr(indexer, "score", lambda *args: calls.setdefault("score", args))
     impl = layer.mla_attn.mla_attn.impl
     monkeypatch.setattr(
@@ -406,7 +404,7 @@ def test_a_gpu_the_build_lacks_serves_with_upstream_ops(dsa_layer_env, monkeypat
     sm_90a/sm_100a build): neither the fused key insert nor the fused forward
     is selected, and the reason names the GPU. Stubbed: the extension's
     probe of the GPU, which a CPU cannot run."""
-    from vllm.models.kimi_k3.nvidia.dsa_fused import fused_forward_blockers
+    from vllm.models.kimi_k3.nvidia.dsa import fused_forward_blockers
     from vllm.models.kimi_k3.nvidia.dsa_ops import _extension
 
     reason = (
@@ -416,7 +414,7 @@ def test_a_gpu_the_build_lacks_serves_with_upstream_ops(dsa_layer_env, monkeypat
     monkeypatch.setattr(_extension, "unavailable_reason", lambda: reason)
     # What the probe makes _extension_loaded say (the autouse fixture of this
     # folder pretends the extension runs).
-    monkeypatch.setattr(DI, "_extension_loaded", lambda: False)
+    monkeypatch.setattr(D, "kimi_k3_extension_available", lambda: False)
     indexer = build_indexer(dsa_layer_env)
     assert not indexer.use_fused_k_insert
     assert indexer.k_insert_blockers == [reason]
@@ -427,7 +425,7 @@ def test_a_gpu_the_build_lacks_serves_with_upstream_ops(dsa_layer_env, monkeypat
 def test_fused_insert_needs_the_extension(dsa_layer_env, monkeypatch):
     # Without vllm._kimi_k3_C the key is normed in torch and 0.33.0's op
     # inserts it: the wrapper path with upstream ops only.
-    monkeypatch.setattr(DI, "_extension_loaded", lambda: False)
+    monkeypatch.setattr(D, "kimi_k3_extension_available", lambda: False)
     indexer = build_indexer(dsa_layer_env)
     assert not indexer.use_fused_k_insert
     import vllm.models.kimi_k3.common.dsa_cache as dsa_cache

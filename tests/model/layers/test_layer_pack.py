@@ -16,7 +16,7 @@ from layer_builders import (
     fill_random,
 )
 
-import vllm.models.kimi_k3.nvidia.dsa_fused as DF
+import vllm.models.kimi_k3.nvidia.dsa as D
 
 # --------------------------------------------------------------------------
 # pack_projections
@@ -83,7 +83,7 @@ def test_pack_projections_rerun_is_noop_and_reload_refills_views(
     layer.pack_projections()
     packed = list(layer._packed)
     calls: list[Any] = []
-    monkeypatch.setattr(DF, "request_low_latency_warmup", calls.append)
+    monkeypatch.setattr(D, "request_low_latency_warmup", calls.append)
     layer.pack_projections()
     assert layer._packed[0] is packed[0] and layer._packed[1] is packed[1]
     assert calls == []
@@ -105,7 +105,7 @@ def test_pack_projections_rerun_is_noop_and_reload_refills_views(
 def test_pack_projections_requests_warmup(dsa_layer_env, extension, monkeypatch):
     calls: list[tuple[int, ...]] = []
     monkeypatch.setattr(
-        DF, "request_low_latency_warmup", lambda w: calls.append(tuple(w.shape))
+        D, "request_low_latency_warmup", lambda w: calls.append(tuple(w.shape))
     )
     layer = build(dsa_layer_env)
     layer.pack_projections()
@@ -224,7 +224,7 @@ def _set_hisparse(layer, monkeypatch) -> None:
 
 
 def _set_pre_processed(layer, monkeypatch) -> None:
-    monkeypatch.setattr(DF, "is_weights_pre_processed", lambda: True)
+    monkeypatch.setattr(D, "is_weights_pre_processed", lambda: True)
 
 
 def _set_norm_eps(layer, monkeypatch) -> None:

@@ -17,8 +17,6 @@ from layer_builders import build, build_indexer, cpu_post_load, fill_random
 
 import vllm.models.kimi_k3.common.dsa_cache as dsa_cache
 import vllm.models.kimi_k3.nvidia.dsa as D
-import vllm.models.kimi_k3.nvidia.dsa_fused as DF
-import vllm.models.kimi_k3.nvidia.dsa_indexer as DI
 from vllm.models.kimi_k3.common.dsa_config import DSAConfig
 from vllm.v1.attention.backends.mla import indexer as v32_indexer
 
@@ -134,6 +132,30 @@ def test_layer_classes_and_their_signatures():
         "index_k",
     ]
     assert _names(module.KimiK3DSAAttention.pack_projections) == ["self"]
+    # The seed's layout: the three classes defined in nvidia/dsa.py, the
+    # fused forward as the attention's own methods.
+    for cls in (
+        module.KimiK3DSAAttention,
+        module.KimiK3DSAIndexer,
+        module.KimiK3DSAIndexerKNorm,
+    ):
+        assert cls.__module__ == DSA, cls
+    attention = module.KimiK3DSAAttention
+    assert _names(attention.forward) == ["self", "positions", "hidden_states"]
+    assert _names(attention._fused_attention) == ["self", "hidden_states"]
+    forward = inspect.signature(module.KimiK3DSAIndexer.forward).parameters
+    assert list(forward) == [
+        "self",
+        "hidden_states",
+        "index_q_input",
+        "positions",
+        "rotary_emb",
+    ]
+    assert forward["positions"].default is None
+    assert forward["rotary_emb"].default is None
+    assert _names(module.KimiK3DSAIndexerKNorm.forward) == ["self", "x"]
+    for name in ("KimiK3DSAIndexer", "KimiK3DSAIndexerKNorm"):
+        assert name in module.__all__
 
 
 # --------------------------------------------------------------------------
@@ -253,7 +275,7 @@ def test_indexer_scores_with_the_query_op_of_its_format(
 ):
     calls: list[str] = []
     for name in ("indexer_q_quant_fold_weights", "mxfp4_q_quant"):
-        monkeypatch.setattr(DI, name, _recorder(name, calls))
+        monkeypatch.setattr(D, name, _recorder(name, calls))
     indexer = build_indexer(dsa_layer_env)
     indexer.use_fp4_cache = fp4
     with pytest.raises(_Called):
@@ -269,7 +291,7 @@ def test_fused_forward_runs_the_prologue_of_its_format(
 
     calls: list[str] = []
     for name in ("dsa_fused_prologue", "mxfp4_fused_prologue"):
-        monkeypatch.setattr(DF, name, _recorder(name, calls))
+        monkeypatch.setattr(D, name, _recorder(name, calls))
     layer = build(dsa_layer_env)
     fill_random(layer)
     cpu_post_load(layer)

@@ -9,14 +9,17 @@ than 0.33.0 (ShardQ) are feature-detected.
 
 from __future__ import annotations
 
+import importlib
 import inspect
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.config import CacheConfig, CUDAGraphMode, VllmConfig, get_current_vllm_config
+from vllm.distributed import get_dcp_group, get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
@@ -24,20 +27,33 @@ from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    UnquantizedLinearMethod,
 )
 from vllm.model_executor.layers.mla import MLAModules, MultiHeadLatentAttentionWrapper
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.rotary_embedding.common import yarn_get_mscale
+from vllm.model_executor.utils import is_weights_pre_processed
+from vllm.models.kimi_k3.common import dsa_cache, dsa_settings
 from vllm.models.kimi_k3.common.dsa_cache import KimiK3FlashMLASparseBackend
-from vllm.models.kimi_k3.common.dsa_settings import resolve_dsa_settings
-from vllm.models.kimi_k3.nvidia import dsa_fused, dsa_ops
-from vllm.models.kimi_k3.nvidia.dsa_indexer import (
-    KimiK3DSAIndexer,
-    KimiK3DSAIndexerKNorm,
+from vllm.models.kimi_k3.common.dsa_envs import FORCE_WRAPPER_ENV, force_wrapper_forward
+from vllm.models.kimi_k3.common.dsa_formats import (
+    fused_prologue_unsupported,
+    k_insert_unsupported,
 )
+from vllm.models.kimi_k3.common.dsa_settings import resolve_dsa_settings
+from vllm.models.kimi_k3.nvidia import (
+    dsa_indexer_op,  # noqa: F401 (its op)
+    dsa_ops,
+)
+from vllm.models.kimi_k3.nvidia.dsa_low_latency import (
+    low_latency_linear,
+    request_low_latency_warmup,
+)
+from vllm.models.kimi_k3.nvidia.dsa_ops import _extension as dsa_extension
 from vllm.models.kimi_k3.nvidia.dsa_ops import (  # noqa: F401 (re-exported)
     dsa_fused_prologue,
+    index_rope,
     indexer_k_norm_quant_insert,
     indexer_q_quant_fold_weights,
     mxfp4_fused_prologue,
@@ -51,6 +67,8 @@ from vllm.models.kimi_k3.nvidia.mla import (
 from vllm.platforms import current_platform
 from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 from vllm.utils.multi_stream_utils import maybe_execute_in_parallel
+from vllm.utils.torch_utils import _encode_layer_name
+from vllm.v1.attention.backends.mla import indexer as v32_indexer
 from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
 
 __all__ = [
@@ -93,6 +111,110 @@ def _accepts_kwarg(fn: Any, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in parameters
+
+
+def kimi_k3_extension_available() -> bool:
+    """Whether ``vllm._kimi_k3_C`` loads and runs on this GPU."""
+    return dsa_extension.unavailable_reason() is None
+
+
+def _norm_eps(norm: nn.Module) -> float | None:
+    """The epsilon of an RMSNorm (``variance_epsilon``) or a LayerNorm."""
+    eps = getattr(norm, "eps", None)
+    if eps is None:
+        eps = getattr(norm, "variance_epsilon", None)
+    return eps
+
+
+def fused_forward_blockers(layer: nn.Module) -> list[str]:
+    """Why ``layer`` cannot run the fused forward (empty: it can)."""
+    attn = cast(Any, layer.mla_attn.mla_attn)
+    indexer = layer.dsa_indexer
+    blockers = []
+    if force_wrapper_forward():
+        blockers.append(f"{FORCE_WRAPPER_ENV}=1")
+    elif not kimi_k3_extension_available():
+        blockers.append(
+            dsa_extension.unavailable_reason() or "vllm._kimi_k3_C not available"
+        )
+    elif not indexer.use_fused_k_insert:
+        blockers.append("no fused key insert")
+    if indexer.dcp_world_size != 1:
+        blockers.append("decode context parallelism")
+    if layer.q_lora_rank is None:
+        blockers.append("no q-LoRA")
+    else:
+        blockers += fused_prologue_unsupported(
+            layer.q_lora_rank,
+            layer.kv_lora_rank,
+            layer.qk_rope_head_dim,
+            indexer.index_head_dim,
+            indexer.index_num_heads,
+        )
+    if not layer.use_nope:
+        blockers.append("rope (not NoPE)")
+    if not hasattr(layer, "g_proj"):
+        blockers.append("no output gate")
+    if getattr(attn, "kv_cache_dtype", None) != "fp8_ds_mla":
+        blockers.append("kv cache dtype is not fp8_ds_mla")
+    if getattr(attn, "hisparse_cache", None) is not None:
+        blockers.append("HiSparse")
+    if is_weights_pre_processed():
+        blockers.append("weights pre-processed")
+    if layer.weights_offloaded:
+        blockers.append("weights offloaded")
+    if layer.q_lora_rank is not None:
+        # The fused prologue takes one eps for all three norms.
+        eps = {
+            _norm_eps(layer.q_a_layernorm),
+            _norm_eps(layer.kv_a_layernorm),
+            _norm_eps(indexer.k_index_norm),
+        }
+        if len(eps) != 1:
+            blockers.append("norm eps differ")
+        linears = (
+            layer.fused_qkv_a_proj,
+            indexer.wkv_index,
+            layer.q_b_proj,
+            indexer.wq_index,
+        )
+        if not all(
+            isinstance(linear.quant_method, UnquantizedLinearMethod)
+            for linear in linears
+        ):
+            blockers.append("quantized projections")
+    return blockers
+
+
+def fused_k_insert_blockers(
+    use_pcp: bool,
+    index_k_norm_type: str,
+    index_rope_dim: int,
+    index_head_dim: int,
+    index_num_heads: int,
+) -> list[str]:
+    """Why the indexer cannot use our fused key insert (empty: it can)."""
+    blockers = []
+    if force_wrapper_forward():
+        blockers.append(f"{FORCE_WRAPPER_ENV}=1")
+    if use_pcp:
+        blockers.append("prefill context parallelism")
+    if index_k_norm_type != "layernorm":
+        blockers.append(f"index_k_norm_type {index_k_norm_type!r}")
+    if index_rope_dim != 0:
+        blockers.append(f"index_rope_dim {index_rope_dim}")
+    blockers += k_insert_unsupported(index_head_dim, index_num_heads)
+    if not blockers and not kimi_k3_extension_available():
+        blockers.append(
+            dsa_extension.unavailable_reason() or "vllm._kimi_k3_C not available"
+        )
+    return blockers
+
+
+def _upstream_init_dcp_topk_merge() -> Any:
+    """Upstream's ``init_dcp_topk_merge`` where the installed vLLM has it."""
+    module = importlib.import_module("vllm.model_executor.layers.sparse_attn_indexer")
+    return getattr(module, "init_dcp_topk_merge", None)
 
 
 class KimiK3DSAAttention(nn.Module):
@@ -389,7 +511,7 @@ class KimiK3DSAAttention(nn.Module):
 
     def fused_forward_blockers(self) -> list[str]:
         """Why :meth:`pack_projections` would decline (empty: it will not)."""
-        return dsa_fused.fused_forward_blockers(self)
+        return fused_forward_blockers(self)
 
     def pack_projections(self) -> None:
         """Enable the fused forward (as DeepseekV32Attention): pack
@@ -404,7 +526,20 @@ class KimiK3DSAAttention(nn.Module):
                 "; ".join(blockers),
             )
             return
-        self._packed = dsa_fused.pack_projections(self)
+        indexer = self.dsa_indexer
+        groups = (
+            (self.fused_qkv_a_proj, indexer.wkv_index),
+            (self.q_b_proj, indexer.wq_index),
+        )
+        packed_weights = []
+        for linears in groups:
+            packed = torch.cat([linear.weight.data for linear in linears])
+            rows = [linear.weight.shape[0] for linear in linears]
+            for linear, view in zip(linears, packed.split(rows), strict=True):
+                linear.weight.data = view
+            request_low_latency_warmup(packed)
+            packed_weights.append(packed)
+        self._packed = packed_weights
         if self.aux_stream is not None:
             self._gate_events = (torch.cuda.Event(), torch.cuda.Event())
         logger.info_once("Kimi K3.1 DSA layers use the fused forward.")
@@ -433,7 +568,405 @@ class KimiK3DSAAttention(nn.Module):
         return self.o_proj(_gate_sigmoid_mul(attn_out, gate))[0]
 
     def _fused_attention(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return dsa_fused.fused_attention(self, hidden_states)
+        """Packed input GEMM, fused prologue, packed query GEMM, indexer
+        scoring and sparse MLA."""
+        if self.q_lora_rank is None or self._packed is None:
+            raise RuntimeError(
+                "Kimi-K3.1 DSA fused forward of a layer without q-LoRA or packed "
+                "projections"
+            )
+        indexer = self.dsa_indexer
+        attn = cast(Any, self.mla_attn.mla_attn)
+        input_weight, query_weight = self._packed
+        q_c, kv_c, k_pe, index_k, index_weights = low_latency_linear(
+            hidden_states, input_weight
+        ).split(
+            [
+                self.q_lora_rank,
+                self.kv_lora_rank,
+                self.qk_rope_head_dim,
+                indexer.index_head_dim,
+                indexer.index_num_heads,
+            ],
+            dim=-1,
+        )
+
+        # Profile / dummy runs have no metadata and leave both caches alone.
+        caches: tuple = (None, None, None, None)
+        has_prefills = False
+        forward_context = get_forward_context()
+        attn_metadata = forward_context.attn_metadata
+        if isinstance(attn_metadata, dict) and attn.kv_cache.numel() > 0:
+            slot_mapping = forward_context.slot_mapping
+            index_metadata = attn_metadata[indexer.k_cache.prefix]
+            if not isinstance(slot_mapping, dict) or not isinstance(
+                index_metadata, v32_indexer.DeepseekV32IndexerMetadata
+            ):
+                raise RuntimeError(
+                    f"{attn.layer_name}: the fused forward needs per-layer slot "
+                    "mappings and DeepseekV32IndexerMetadata, got "
+                    f"{type(slot_mapping).__name__} and "
+                    f"{type(index_metadata).__name__}"
+                )
+            has_prefills = cast(Any, attn_metadata[attn.layer_name]).num_prefills > 0
+            caches = (
+                attn.kv_cache,
+                slot_mapping[attn.layer_name],
+                indexer.k_cache.kv_cache,
+                index_metadata.slot_mapping,
+            )
+        topk_indices_buffer = indexer.required_topk_indices_buffer()
+        k_norm = cast(KimiK3DSAIndexerKNorm, indexer.k_index_norm)
+        # One eps for the three norms (checked in pack_projections).
+        prologue = dsa_fused_prologue
+        if indexer.use_fp4_cache:
+            prologue = mxfp4_fused_prologue
+        q_c, kv_c_normed = prologue(
+            q_c,
+            kv_c,
+            k_pe,
+            index_k,
+            self.q_a_layernorm.weight,
+            self.kv_a_layernorm.weight,
+            k_norm.weight,
+            k_norm.bias,
+            k_norm.eps,
+            topk_indices_buffer,
+            *caches,
+        )
+
+        q, index_q = low_latency_linear(q_c, query_weight).split(
+            [
+                self.num_local_heads * self.qk_head_dim,
+                indexer.index_num_heads * indexer.index_head_dim,
+            ],
+            dim=-1,
+        )
+        q = q.view(-1, self.num_local_heads, self.qk_head_dim)
+        if has_prefills:
+            # q is a column slice; some MHA prefill backends need it contiguous.
+            q = q.contiguous()
+        index_q = index_q.view(-1, indexer.index_num_heads, indexer.index_head_dim)
+        indexer.score(hidden_states, index_q, index_weights, None)
+        attn.impl.record_logical_topk_ready()
+
+        output = torch.empty(
+            (hidden_states.shape[0], self.num_local_heads * self.v_head_dim),
+            dtype=hidden_states.dtype,
+            device=hidden_states.device,
+        )
+        torch.ops.vllm.unified_mla_attention_with_output(
+            q,
+            kv_c_normed,
+            k_pe.unsqueeze(1),
+            output,
+            _encode_layer_name(attn.layer_name),
+        )
+        return output
+
+
+class KimiK3DSAIndexer(nn.Module):
+    """Indexer projections, key cache, and the drive of
+    ``kimi_k3_sparse_attn_indexer`` (the ``deepseek_v2.Indexer`` pattern)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        hidden_size: int,
+        index_q_input_size: int,
+        index_head_dim: int,
+        index_num_heads: int,
+        index_topk: int,
+        rms_norm_eps: float,
+        index_rope_dim: int = 0,
+        index_k_norm_type: str = "rmsnorm",
+        cache_config: CacheConfig | None = None,
+        quant_config: QuantizationConfig | None = None,
+        topk_indices_buffer: torch.Tensor | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.index_head_dim = index_head_dim
+        self.index_num_heads = index_num_heads
+        self.indexer_weight_scale = self.index_num_heads**-0.5
+        self.topk_tokens = index_topk
+        # 0 = no indexer rope; the checkpoint is pair-permuted for neox.
+        if index_rope_dim < 0 or index_rope_dim % 2 != 0:
+            raise ValueError(
+                f"dsa_config.index_rope_dim must be even and >= 0, got {index_rope_dim}"
+            )
+        if index_rope_dim > index_head_dim:
+            raise ValueError(
+                f"dsa_config.index_rope_dim ({index_rope_dim}) must not "
+                f"exceed index_head_dim ({index_head_dim})"
+            )
+        self.index_rope_dim = index_rope_dim
+        self.wq_index = ReplicatedLinear(
+            index_q_input_size,
+            self.index_num_heads * self.index_head_dim,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.wq_index",
+        )
+        self.wkv_index = MergedColumnParallelLinear(
+            hidden_size,
+            [self.index_head_dim, self.index_num_heads],
+            bias=False,
+            quant_config=None,
+            disable_tp=True,
+            prefix=f"{prefix}.wkv_index",
+        )
+        self.k_index_norm: nn.Module
+        if index_k_norm_type == "layernorm":
+            self.k_index_norm = KimiK3DSAIndexerKNorm(
+                self.index_head_dim, eps=rms_norm_eps
+            )
+        elif index_k_norm_type == "rmsnorm":
+            self.k_index_norm = RMSNorm(self.index_head_dim, eps=rms_norm_eps)
+        else:
+            raise ValueError(
+                "dsa_config.index_k_norm_type must be 'rmsnorm' or "
+                f"'layernorm', got {index_k_norm_type!r}"
+            )
+
+        # Power-of-two (ue8m0) key scales, as DeepSeek V3.2.
+        self.scale_fmt = "ue8m0"
+        self.quant_block_size = self.index_head_dim
+        self.index_softmax_scale = self.index_head_dim**-0.5
+        # DeepGEMM's indexer kernels take 32 or 64 heads.
+        self.padded_index_num_heads = dsa_settings.padded_index_heads(
+            self.index_num_heads
+        )
+        self.use_fp4_cache = dsa_settings.resolve_dsa_settings(vllm_config).indexer_fp4
+        self.k_cache = dsa_cache.KimiK3IndexerCache(
+            head_dim=dsa_cache.indexer_cache_entry_bytes(
+                self.index_head_dim, self.use_fp4_cache
+            ),
+            dtype=torch.uint8,
+            prefix=f"{prefix}.k_cache",
+            cache_config=cast(CacheConfig, cache_config),
+        )
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.max_total_seq_len = v32_indexer.get_max_prefill_buffer_size(vllm_config)
+        self.topk_indices_buffer = topk_indices_buffer
+        self.use_pcp = vllm_config.parallel_config.prefill_context_parallel_size > 1
+        # Set by KimiK3DSAAttention to skip scoring dense-MHA prefills.
+        self.dense_mha_metadata_layer_name = ""
+        self.topk_backend = vllm_config.kernel_config.sparse_indexer_topk_backend
+        # Without the fused insert 0.33.0's op inserts the key (fp8 only).
+        self.k_insert_blockers = fused_k_insert_blockers(
+            self.use_pcp,
+            index_k_norm_type,
+            index_rope_dim,
+            index_head_dim,
+            index_num_heads,
+        )
+        self.use_fused_k_insert = not self.k_insert_blockers
+        if self.k_insert_blockers:
+            logger.info_once(
+                "Kimi K3.1 DSA indexer keys use vLLM's unfused insert: %s.",
+                "; ".join(self.k_insert_blockers),
+            )
+        if self.use_fp4_cache and not self.use_fused_k_insert:
+            raise NotImplementedError(
+                "MXFP4 indexer keys need the fused key insert "
+                "(index_k_norm_type='layernorm', index_rope_dim=0, no prefill "
+                "context parallelism, the vllm._kimi_k3_C extension built, and "
+                "the shapes it takes), which this layer cannot use: "
+                f"{'; '.join(self.k_insert_blockers)}. Use indexer_kv_dtype='fp8'."
+            )
+        self._parallel_config = vllm_config.parallel_config
+        self.dcp_world_size = self._parallel_config.decode_context_parallel_size
+        self.dcp_rank = get_dcp_group().rank_in_group if self.dcp_world_size > 1 else 0
+        self._cp_kv_cache_interleave_size: int | None = None
+        # 0 keeps the op's generic merge (always on 0.33.0).
+        init_dcp_topk_merge = _upstream_init_dcp_topk_merge()
+        self.dcp_local_topk = (
+            init_dcp_topk_merge(vllm_config, index_topk)
+            if init_dcp_topk_merge is not None
+            else 0
+        )
+
+    def required_topk_indices_buffer(self) -> torch.Tensor:
+        """The model's top-k buffer; required to write the cache."""
+        if self.topk_indices_buffer is None:
+            raise RuntimeError(
+                f"{self.k_cache.prefix}: the indexer was built without the "
+                "model's top-k buffer (topk_indices_buffer)"
+            )
+        return self.topk_indices_buffer
+
+    @property
+    def cp_kv_cache_interleave_size(self) -> int:
+        """The parallel config's value, cached once a real batch runs."""
+        if self._cp_kv_cache_interleave_size is None:
+            value = self._parallel_config.cp_kv_cache_interleave_size
+            if isinstance(get_forward_context().attn_metadata, dict):
+                self._cp_kv_cache_interleave_size = value
+            return value
+        return self._cp_kv_cache_interleave_size
+
+    def _apply_index_rope(
+        self,
+        index_q: torch.Tensor,
+        index_k: torch.Tensor,
+        positions: torch.Tensor,
+        rotary_emb: nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In-place neox RoPE on the leading ``index_rope_dim`` dims."""
+        index_rope.index_rope(
+            index_q,
+            index_k,
+            positions.view(-1),
+            rotary_emb.cos_sin_cache,
+            self.index_rope_dim,
+            False,  # interleave: neox / half-split
+        )
+        return index_q, index_k
+
+    def _shardq_indexer_rows(self) -> torch.Tensor | None:
+        """The rows a ShardQ step scores on this rank, or None (also under CUDA
+        graphs, which would bake in the capture batch's rows)."""
+        if not getattr(self.k_cache, "use_shardq", False):
+            return None
+        forward_context = get_forward_context()
+        if (
+            forward_context.cudagraph_runtime_mode != CUDAGraphMode.NONE
+            or torch.cuda.is_current_stream_capturing()
+        ):
+            return None
+        attn_metadata = forward_context.attn_metadata
+        if not isinstance(attn_metadata, dict):
+            return None
+        prefill = getattr(attn_metadata.get(self.k_cache.prefix), "prefill", None)
+        if prefill is None:
+            return None
+        return getattr(prefill, "shardq_gather_indices", None)
+
+    def _fused_k_insert(self, index_k: torch.Tensor, num_tokens: int) -> None:
+        """LayerNorm, quantize and insert the keys in one kernel."""
+        attn_metadata = get_forward_context().attn_metadata
+        kv_cache = self.k_cache.kv_cache
+        if not isinstance(attn_metadata, dict) or kv_cache.numel() == 0:
+            return
+        metadata = attn_metadata[self.k_cache.prefix]
+        if not isinstance(metadata, v32_indexer.DeepseekV32IndexerMetadata):
+            raise RuntimeError(
+                f"{self.k_cache.prefix}: the indexer cache's metadata is a "
+                f"{type(metadata).__name__}, not DeepseekV32IndexerMetadata"
+            )
+        topk_indices_buffer = self.required_topk_indices_buffer()
+        norm = cast(KimiK3DSAIndexerKNorm, self.k_index_norm)
+        insert = indexer_k_norm_quant_insert
+        if self.use_fp4_cache:
+            insert = mxfp4_k_norm_quant_insert
+        insert(
+            index_k,
+            norm.weight,
+            norm.bias,
+            norm.eps,
+            metadata.slot_mapping,
+            kv_cache,
+            topk_indices_buffer,
+            num_tokens,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        index_q_input: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
+        rotary_emb: nn.Module | None = None,
+    ) -> torch.Tensor:
+        if index_q_input is None:
+            # No q-LoRA: the query reads hidden_states.
+            index_q_input = hidden_states
+        rows = self._shardq_indexer_rows() if self.use_fused_k_insert else None
+        if rows is not None:
+            index_q_input = index_q_input[rows]
+        index_q = self.wq_index(index_q_input)[0].view(
+            -1, self.index_num_heads, self.index_head_dim
+        )
+        index_k, index_weights = self.wkv_index(hidden_states)[0].split(
+            [self.index_head_dim, self.index_num_heads], dim=-1
+        )
+        if rows is not None:
+            index_weights = index_weights[rows]
+        if self.use_fused_k_insert:
+            self._fused_k_insert(index_k, hidden_states.shape[0])
+            index_k = None
+        else:
+            index_k = self.k_index_norm(index_k)
+            if self.index_rope_dim > 0:
+                if positions is None or rotary_emb is None:
+                    raise ValueError(
+                        "index_rope_dim > 0 requires positions and the main "
+                        "attention rotary_emb (mla_use_nope models cannot "
+                        "enable indexer rope)"
+                    )
+                index_q, index_k = self._apply_index_rope(
+                    index_q, index_k, positions, rotary_emb
+                )
+        return self.score(hidden_states, index_q, index_weights, index_k)
+
+    def score(
+        self,
+        hidden_states: torch.Tensor,
+        index_q: torch.Tensor,
+        index_weights: torch.Tensor,
+        index_k: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Top-k of the current rows into ``topk_indices_buffer``."""
+        weight_scale = self.index_softmax_scale * self.indexer_weight_scale
+        q_scale: torch.Tensor | None = None
+        if self.use_fp4_cache:
+            q_quant, q_scale, weights = mxfp4_q_quant(
+                index_q, index_weights, weight_scale, self.padded_index_num_heads
+            )
+        else:
+            q_quant, weights = indexer_q_quant_fold_weights(
+                index_q, index_weights, weight_scale, self.padded_index_num_heads
+            )
+        # In a dummy run the op only reserves its workspace.
+        return torch.ops.vllm.kimi_k3_sparse_attn_indexer(
+            hidden_states,
+            _encode_layer_name(self.k_cache.prefix),
+            self.k_cache.kv_cache,
+            q_quant,
+            q_scale,  # None for fp8: its scale is folded into the weights
+            index_k,
+            weights,
+            self.quant_block_size,
+            self.scale_fmt,
+            self.topk_tokens,
+            self.index_head_dim,
+            self.max_model_len,
+            self.max_total_seq_len,
+            self.topk_indices_buffer,
+            self.use_fused_k_insert,  # skip_k_cache_insert
+            _encode_layer_name(self.dense_mha_metadata_layer_name),
+            self.use_fp4_cache,
+            self.dcp_rank,
+            self.dcp_world_size,
+            self.cp_kv_cache_interleave_size,
+            self.topk_backend,
+        )
+
+
+class KimiK3DSAIndexerKNorm(nn.Module):
+    """fp32 LayerNorm with bias for the indexer key."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.normalized_shape = (dim,)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(
+            x.float(), self.normalized_shape, self.weight, self.bias, self.eps
+        ).type_as(x)
 
 
 def use_kimi_k3_mla_backend(attn: Any) -> None:
