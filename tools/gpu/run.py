@@ -326,6 +326,16 @@ SUITES: dict[str, Suite] = {
         "prefill chunks 1K/4K/8K, 96 and 12 heads, DSA against V3.2 and dense MLA; "
         "every decode point's per-stage kernel times and host metadata build",
     ),
+    "layer-one-rank": Suite(
+        "python3 benchmarks/layer/bench_dsa_layer.py --layers fused fused-shared "
+        "dense-bf16 dense-fp8 --tp-heads 12 --indexer-tp 8 --reps 30 --profile "
+        "--json $LOGS/layer.json",
+        VLLM_ENV,
+        900,
+        "one TP-8 rank's layer (12 heads): the fused forward with the indexer's "
+        "prefill rows replicated and shared across the 8 ranks (the all-gather "
+        "stood in for by a device copy), against dense MLA bf16 and fp8",
+    ),
     "layer-grid-flashmla": Suite(
         "python3 benchmarks/layer/bench_dsa_layer.py --layers dense-bf16 "
         "--dense-backend FLASHMLA --tp-heads 96 12 --prefill-chunks --reps 30 "
