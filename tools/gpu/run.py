@@ -336,6 +336,15 @@ SUITES: dict[str, Suite] = {
         "prefill rows replicated and shared across the 8 ranks (the all-gather "
         "stood in for by a device copy), against dense MLA bf16 and fp8",
     ),
+    "indexer-share": Suite(
+        "python3 -m pytest -m gpu -v -p no:cacheprovider "
+        "tests/benchmarks/test_indexer_share_gpu.py >$LOGS/pytest.log 2>&1; "
+        "rc=$?; tail -n 20 $LOGS/pytest.log; exit $rc",
+        VLLM_ENV,
+        600,
+        "vLLM's prefill row shard of the indexer through our op: each rank's "
+        "rows of TP 2 and 8 select the replicated top-k (one GPU)",
+    ),
     "layer-grid-flashmla": Suite(
         "python3 benchmarks/layer/bench_dsa_layer.py --layers dense-bf16 "
         "--dense-backend FLASHMLA --tp-heads 96 12 --prefill-chunks --reps 30 "
