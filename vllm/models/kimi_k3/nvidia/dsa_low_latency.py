@@ -15,16 +15,19 @@ import torch.nn.functional as F
 
 import vllm.envs as envs
 from vllm.logger import init_logger
+from vllm.models.kimi_k3.common.dsa_formats import (
+    KERNEL_INDEX_HEAD_DIM,
+    KERNEL_KV_LORA_RANK,
+    KERNEL_Q_LORA_RANK,
+    KERNEL_ROPE_DIM,
+)
 
 logger = init_logger(__name__)
 
+# Kimi K3.1's dims beyond the kernels' (common/dsa_formats.py).
 KIMI_K31_HIDDEN_SIZE = 7168
-KIMI_K31_Q_LORA_RANK = 1536
-KIMI_K31_KV_LORA_RANK = 512
-KIMI_K31_QK_ROPE_HEAD_DIM = 64
-KIMI_K31_QK_HEAD_DIM = 128 + 64
+KIMI_K31_QK_HEAD_DIM = 128 + KERNEL_ROPE_DIM
 KIMI_K31_NUM_HEADS = 96
-KIMI_K31_INDEX_HEAD_DIM = 128
 KIMI_K31_INDEX_NUM_HEADS = 32
 # TP sizes whose local head count divides 96 without padding.
 PACKED_TP_SIZES = (1, 2, 4, 8)
@@ -33,10 +36,10 @@ LOW_LATENCY_MAX_TOKENS = 16
 
 
 def packed_input_rows(
-    q_lora_rank: int = KIMI_K31_Q_LORA_RANK,
-    kv_lora_rank: int = KIMI_K31_KV_LORA_RANK,
-    qk_rope_head_dim: int = KIMI_K31_QK_ROPE_HEAD_DIM,
-    index_head_dim: int = KIMI_K31_INDEX_HEAD_DIM,
+    q_lora_rank: int = KERNEL_Q_LORA_RANK,
+    kv_lora_rank: int = KERNEL_KV_LORA_RANK,
+    qk_rope_head_dim: int = KERNEL_ROPE_DIM,
+    index_head_dim: int = KERNEL_INDEX_HEAD_DIM,
     index_num_heads: int = KIMI_K31_INDEX_NUM_HEADS,
 ) -> int:
     """Rows of ``[q_a | kv_a | wk | weights_proj]`` (2272 for Kimi K3.1)."""
@@ -52,7 +55,7 @@ def packed_input_rows(
 def packed_query_rows(
     num_local_heads: int,
     qk_head_dim: int = KIMI_K31_QK_HEAD_DIM,
-    index_head_dim: int = KIMI_K31_INDEX_HEAD_DIM,
+    index_head_dim: int = KERNEL_INDEX_HEAD_DIM,
     index_num_heads: int = KIMI_K31_INDEX_NUM_HEADS,
 ) -> int:
     """Rows of ``[q_b | wq_index]`` for ``num_local_heads`` attention heads."""
@@ -64,7 +67,7 @@ def kimi_k31_packed_shapes() -> frozenset[tuple[int, int]]:
     shapes = {(packed_input_rows(), KIMI_K31_HIDDEN_SIZE)}
     for tp_size in PACKED_TP_SIZES:
         rows = packed_query_rows(KIMI_K31_NUM_HEADS // tp_size)
-        shapes.add((rows, KIMI_K31_Q_LORA_RANK))
+        shapes.add((rows, KERNEL_Q_LORA_RANK))
     return frozenset(shapes)
 
 
