@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
+from dsa_kv_specs import dsa_layer_specs, kda_layer_spec
 
 from kimi_k3_dsa_tools.kv_plan_cli import main
 
@@ -35,42 +35,20 @@ def _worker_specs(text: dict, block: int, num_spec: int, dsa_layers: int) -> dic
     """What a TP 1 worker reports: ``dsa_layers`` DSA layers (the target's
     and the MTP draft's) and the target's KDA layers with ``num_spec`` draft
     tokens in their conv state."""
-    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
-    from vllm.v1.attention.backend import MultipleOf
-    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SparseCacheRole
-
     linear = text["linear_attn_config"]
+    latent = text["kv_lora_rank"] + text["qk_rope_head_dim"]
+    index_entry = text["dsa_config"]["index_head_dim"] + 4
     specs: dict = {}
     for i in range(dsa_layers):
-        specs[f"d{i}.mla"] = MLAAttentionSpec(
-            block_size=block,
-            block_stride_alignment=MultipleOf(64),
-            num_kv_heads=1,
-            head_size=text["kv_lora_rank"] + text["qk_rope_head_dim"],
-            dtype=torch.uint8,
-            cache_dtype_str="fp8_ds_mla",
-            state_content_bytes=656,
-        )
-        specs[f"d{i}.index"] = MLAAttentionSpec(
-            block_size=block,
-            block_stride_alignment=MultipleOf(64),
-            num_kv_heads=1,
-            max_tp_shards=1,
-            head_size=text["dsa_config"]["index_head_dim"] + 4,
-            dtype=torch.uint8,
-            cache_role=SparseCacheRole.INDEXER,
-        )
+        specs.update(dsa_layer_specs(f"d{i}", block, latent, index_entry))
     for i in range(len(linear["kda_layers"])):
-        specs[f"k{i}.kda"] = MambaSpec(
-            block_size=block,
-            shapes=MambaStateShapeCalculator.kda_state_shape(
-                1,
-                linear["num_heads"],
-                linear["head_dim"],
-                conv_kernel_size=linear["short_conv_kernel_size"],
-                num_spec=num_spec,
-            ),
-            dtypes=(torch.bfloat16, torch.float32),
+        specs[f"k{i}.kda"] = kda_layer_spec(
+            block,
+            1,
+            linear["num_heads"],
+            linear["head_dim"],
+            conv=linear["short_conv_kernel_size"],
+            num_spec=num_spec,
         )
     return specs
 

@@ -599,42 +599,17 @@ def test_plan_equals_the_engine_sizing(
 
 
 def _worker_specs(block: int, tp: int) -> dict[str, Any]:
-    """The KV specs a TP ``tp`` worker of the variant reports (the runner's
-    64-token kernel-page alignment included), as tests/cache/k3_1_specs.py
-    gives Kimi K3.1's."""
-    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
-    from vllm.v1.attention.backend import MultipleOf
-    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SparseCacheRole
+    """The KV specs a TP ``tp`` worker of the variant reports."""
+    from dsa_kv_specs import dsa_layer_specs, kda_layer_spec
 
     specs: dict[str, Any] = {}
     for layer in range(4):
         if layer == DSA_LAYER:
-            specs[f"l{layer}.mla"] = MLAAttentionSpec(
-                block_size=block,
-                block_stride_alignment=MultipleOf(64),
-                num_kv_heads=1,
-                head_size=KV_LORA + QK_ROPE,
-                dtype=torch.uint8,
-                cache_dtype_str="fp8_ds_mla",
-                state_content_bytes=656,
-            )
-            specs[f"l{layer}.index"] = MLAAttentionSpec(
-                block_size=block,
-                block_stride_alignment=MultipleOf(64),
-                num_kv_heads=1,
-                max_tp_shards=1,
-                head_size=INDEX_DIM + 4,
-                dtype=torch.uint8,
-                cache_role=SparseCacheRole.INDEXER,
+            specs.update(
+                dsa_layer_specs(f"l{layer}", block, KV_LORA + QK_ROPE, INDEX_DIM + 4)
             )
         else:
-            specs[f"l{layer}.kda"] = MambaSpec(
-                block_size=block,
-                shapes=MambaStateShapeCalculator.kda_state_shape(
-                    tp, KDA_HEADS, KDA_DIM
-                ),
-                dtypes=(torch.bfloat16, torch.float32),
-            )
+            specs[f"l{layer}.kda"] = kda_layer_spec(block, tp, KDA_HEADS, KDA_DIM)
     return specs
 
 
