@@ -240,3 +240,68 @@ def test_decode_row_lens() -> None:
     per_request = torch.tensor([[4], [10]], dtype=torch.int32)
     assert OP.decode_row_lens(per_request, 2, 4).tolist() == [3, 4, 9, 10]
     assert OP.decode_row_lens(per_request, 1, 2).tolist() == [4, 10]
+
+
+@pytest.mark.parametrize(("tp", "num_decodes"), [(2, 5), (4, 4), (4, 7)])
+def test_shared_decode_rows_equal_the_replicated_ones(
+    dsa_layer_env, kernels, monkeypatch, tp, num_decodes
+):
+    """With the indexer's decode rows shared, each TP rank scores its
+    contiguous share of the requests (DeepGEMM scheduled for those alone)
+    and one all-gather puts every rank's rows in place: the ranks' rows, put
+    together in rank order, are the replicated op's."""
+    from vllm.models.kimi_k3.common.dsa_envs import INDEXER_DECODE_SHARD_ENV
+
+    decode_lens = [5 + 7 * i for i in range(num_decodes)]
+    scores = tie_heavy(num_decodes, 64, seed=tp + num_decodes)
+    metadata = step_metadata([], decode_lens)
+    kernels([scores], seed=0)
+    replicated = run_op(dsa_layer_env.vllm_config, metadata, num_decodes).clone()
+
+    monkeypatch.setenv(INDEXER_DECODE_SHARD_ENV, "1")
+    monkeypatch.setattr(OP, "get_tensor_model_parallel_world_size", lambda: tp)
+    monkeypatch.setattr(OP, "_num_sms", lambda index: 1)
+    scheduled: list[list[int]] = []
+
+    def schedule(seq_lens, block_size, num_sms, indices=None):
+        scheduled.append(seq_lens.reshape(-1).tolist())
+        return torch.zeros(1, dtype=torch.int32)
+
+    monkeypatch.setattr(OP, "get_paged_mqa_logits_metadata", schedule)
+    gathered: list[torch.Tensor] = []
+
+    def gather(local, sizes):
+        assert sum(sizes) == num_decodes and len(sizes) == tp
+        gathered.append(local.clone())
+        rows = torch.full((num_decodes, local.shape[1]), -5, dtype=local.dtype)
+        start = sum(sizes[: len(gathered) - 1])
+        rows[start : start + local.shape[0]] = local
+        return rows
+
+    monkeypatch.setattr(OP, "gather_decode_topk", gather)
+    base, extra = divmod(num_decodes, tp)
+    sizes = [base + (r < extra) for r in range(tp)]
+    starts = [sum(sizes[:r]) for r in range(tp)]
+    for rank in range(tp):
+        monkeypatch.setattr(OP, "get_tensor_model_parallel_rank", lambda r=rank: r)
+        rows = slice(starts[rank], starts[rank] + sizes[rank])
+        kernels([scores[rows]], seed=rank + 1)
+        run_op(dsa_layer_env.vllm_config, metadata, num_decodes)
+    assert scheduled == [
+        decode_lens[s : s + n] for s, n in zip(starts, sizes, strict=True)
+    ]
+    assert torch.equal(torch.cat(gathered), replicated)
+
+
+def test_decode_rows_stay_replicated_below_the_rank_count(monkeypatch):
+    from vllm.models.kimi_k3.common.dsa_envs import INDEXER_DECODE_SHARD_ENV
+
+    monkeypatch.setattr(OP, "get_tensor_model_parallel_world_size", lambda: 8)
+    monkeypatch.setattr(OP, "get_tensor_model_parallel_rank", lambda: 3)
+    assert OP.decode_request_share(64) is None  # the switch is off
+    monkeypatch.setenv(INDEXER_DECODE_SHARD_ENV, "1")
+    assert OP.decode_request_share(7) is None  # fewer requests than ranks
+    assert OP.decode_request_share(64) == (24, 32, [8] * 8)
+    assert OP.decode_request_share(11) == (6, 7, [2, 2, 2, 1, 1, 1, 1, 1])
+    monkeypatch.setattr(OP, "get_tensor_model_parallel_world_size", lambda: 1)
+    assert OP.decode_request_share(64) is None

@@ -17,7 +17,8 @@ EDITS = (
         '    VLLM_REQUEST_BODY_LOG_LEVEL: str = "DEBUG"\n',
         "    VLLM_KIMI_K3_DSA_FORCE_WRAPPER: bool = False\n"
         "    VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP: bool = False\n"
-        "    VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES: bool = False\n",
+        "    VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES: bool = False\n"
+        "    VLLM_KIMI_K3_DSA_INDEXER_DECODE_SHARD: bool = False\n",
     ),
     insert_before(
         _ENVS,
@@ -55,6 +56,11 @@ EDITS = (
         "    # (changes the KV layout and the attention metadata).\n"
         '    "VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES": _kimi_k3_dsa_flag(\n'
         '        "<<mla_kernel_pages_forced>>", "mla_kernel_pages_forced"\n'
+        "    ),\n"
+        "    # Kimi K3.1 DSA: share the indexer's decode rows across the TP ranks\n"
+        "    # (one all-gather of the top-k rows a step).\n"
+        '    "VLLM_KIMI_K3_DSA_INDEXER_DECODE_SHARD": _kimi_k3_dsa_flag(\n'
+        '        "<<indexer_decode_shard>>", "indexer_decode_shard"\n'
         "    ),\n",
     ),
 )

@@ -14,9 +14,11 @@ In-tree edit: the ``VLLM_KIMI_K3_DSA_*`` names in the typed list and in
 from vllm.models.kimi_k3.common.dsa_envs import (
     EXPERIMENTAL_DCP_ENV,
     FORCE_WRAPPER_ENV,
+    INDEXER_DECODE_SHARD_ENV,
     MLA_KERNEL_PAGES_ENV,
     experimental_dcp,
     force_wrapper_forward,
+    indexer_decode_shard,
     mla_kernel_pages_forced,
 )
 
@@ -27,3 +29,6 @@ def apply() -> None:
     envs.environment_variables.setdefault(FORCE_WRAPPER_ENV, force_wrapper_forward)
     envs.environment_variables.setdefault(EXPERIMENTAL_DCP_ENV, experimental_dcp)
     envs.environment_variables.setdefault(MLA_KERNEL_PAGES_ENV, mla_kernel_pages_forced)
+    envs.environment_variables.setdefault(
+        INDEXER_DECODE_SHARD_ENV, indexer_decode_shard
+    )

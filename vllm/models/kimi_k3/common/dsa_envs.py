@@ -15,6 +15,9 @@ FORCE_WRAPPER_ENV = "VLLM_KIMI_K3_DSA_FORCE_WRAPPER"
 EXPERIMENTAL_DCP_ENV = "VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP"
 # Split the MLA pages into 64-token kernel pages on SM90 too (SM10x always).
 MLA_KERNEL_PAGES_ENV = "VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES"
+# Share the indexer's decode rows across the TP ranks (each scores its share
+# of the requests, one all-gather of the top-k rows).
+INDEXER_DECODE_SHARD_ENV = "VLLM_KIMI_K3_DSA_INDEXER_DECODE_SHARD"
 ENV_PREFIX = "VLLM_KIMI_K3_DSA_"
 _ENV_BOOLS = {"0": False, "false": False, "1": True, "true": True}
 
@@ -59,6 +62,12 @@ def mla_kernel_pages_in_use() -> bool:
     return mla_kernel_pages_forced() or (
         current_platform.is_cuda() and current_platform.is_device_capability_family(100)
     )
+
+
+def indexer_decode_shard() -> bool:
+    """Whether :data:`INDEXER_DECODE_SHARD_ENV` shares the indexer's decode
+    rows across the TP ranks."""
+    return _env_flag(INDEXER_DECODE_SHARD_ENV)
 
 
 def experimental_dcp() -> bool:

@@ -4,22 +4,36 @@
 deterministic top-k (``dsa_ops.canonical_topk``), since vLLM's top-k order and
 tie choice vary run to run and sparse MLA sums in index order."""
 
+import functools
+
 import torch
 
 from vllm import _custom_ops as ops
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.config import CUDAGraphMode
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+)
 from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
 from vllm.model_executor.layers import sparse_attn_indexer as upstream
 from vllm.model_executor.layers.indexer_topk import get_indexer_topk
+from vllm.models.kimi_k3.common.dsa_envs import (
+    INDEXER_DECODE_SHARD_ENV,
+    indexer_decode_shard,
+)
 from vllm.models.kimi_k3.nvidia.dsa_ops.canonical_topk import canonical_topk
 from vllm.platforms import current_platform
 from vllm.utils.deep_gemm import (
     fp8_fp4_mqa_logits,
     fp8_fp4_paged_mqa_logits,
+    get_paged_mqa_logits_metadata,
     mqa_logits_mx_inputs,
     mqa_logits_use_mx_scales,
 )
+from vllm.utils.platform_utils import num_compute_units
 from vllm.utils.torch_utils import (
     LayerNameType,
     _resolve_layer_name,
@@ -28,6 +42,8 @@ from vllm.utils.torch_utils import (
 from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadata
 from vllm.v1.attention.ops.common import pack_seq_triton, unpack_seq_triton
 from vllm.v1.worker.workspace import current_workspace_manager
+
+logger = init_logger(__name__)
 
 
 def decode_row_lens(seq_lens: torch.Tensor, next_n: int, rows: int) -> torch.Tensor:
@@ -122,6 +138,39 @@ def _score_prefill(
         row_shard.exchange_topk(topk_indices_buffer, topk_tokens)
 
 
+def decode_request_share(num_requests: int) -> tuple[int, int, list[int]] | None:
+    """This TP rank's contiguous share of the decode requests and every
+    rank's count, when the indexer's decode rows are shared; None when each
+    rank scores them all (the switch off, TP 1, fewer requests than ranks,
+    or inside a CUDA graph capture)."""
+    world = get_tensor_model_parallel_world_size()
+    if world < 2 or num_requests < world or not indexer_decode_shard():
+        return None
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
+    logger.info_once(
+        "Kimi K3.1 DSA: the indexer's decode rows are shared across the %d TP "
+        "ranks (%s=1).",
+        world,
+        INDEXER_DECODE_SHARD_ENV,
+    )
+    base, extra = divmod(num_requests, world)
+    sizes = [base + (rank < extra) for rank in range(world)]
+    rank = get_tensor_model_parallel_rank()
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank], sizes
+
+
+def gather_decode_topk(local: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Every rank's top-k rows in rank order: one all-gather."""
+    return get_tp_group().all_gatherv(local, dim=0, sizes=sizes)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return num_compute_units(device_index)
+
+
 def _score_decode(
     metadata: DeepseekV32IndexerMetadata,
     kv_cache: torch.Tensor,
@@ -162,24 +211,50 @@ def _score_decode(
     scale_rows, decode_weights = mqa_logits_mx_inputs(
         q_rows, scale_rows, weights[:num_rows]
     )
-    logits = fp8_fp4_paged_mqa_logits(
-        (q_rows, scale_rows),
-        kv_cache,
-        decode_weights,
-        seq_lens,
-        decode.block_table,
-        decode.schedule_metadata,
-        max_model_len=max_model_len,
-        indices=decode.indices,
-    )
-    # SM100's bf16 logits upcast: canonical_topk compares fp32 scores.
-    row_lens = decode_row_lens(seq_lens, next_n, logits.shape[0])
-    logits = upstream.as_fp32_logits(logits, row_lens)
     topk_indices = topk_indices_buffer[:num_rows, :topk_tokens]
+    # SM100's varlen rows (indices) keep the replicated path.
+    share = decode_request_share(batch_size) if decode.indices is None else None
+    if share is None:
+        row_seq_lens, local = seq_lens, topk_indices
+        logits = fp8_fp4_paged_mqa_logits(
+            (q_rows, scale_rows),
+            kv_cache,
+            decode_weights,
+            seq_lens,
+            decode.block_table,
+            decode.schedule_metadata,
+            max_model_len=max_model_len,
+            indices=decode.indices,
+        )
+    else:
+        start, stop, _ = share
+        row_seq_lens = seq_lens[start:stop]
+        local = topk_indices[start * next_n : stop * next_n]
+        logits = fp8_fp4_paged_mqa_logits(
+            (
+                q_rows[start:stop],
+                scale_rows[start:stop] if scale_rows is not None else None,
+            ),
+            kv_cache,
+            decode_weights[start * next_n : stop * next_n],
+            row_seq_lens,
+            decode.block_table[start:stop],
+            # DeepGEMM's SM schedule of this rank's requests alone.
+            get_paged_mqa_logits_metadata(
+                row_seq_lens, kv_cache.shape[1], _num_sms(kv_cache.device.index)
+            ),
+            max_model_len=max_model_len,
+        )
+    # SM100's bf16 logits upcast: canonical_topk compares fp32 scores.
+    row_lens = decode_row_lens(row_seq_lens, next_n, logits.shape[0])
+    logits = upstream.as_fp32_logits(logits, row_lens)
     get_indexer_topk(topk_backend)(
-        logits, seq_lens, next_n, topk_indices, topk_tokens, metadata.max_seq_len
+        logits, row_seq_lens, next_n, local, topk_tokens, metadata.max_seq_len
     )
-    canonical_topk(logits, row_lens, topk_indices)
+    canonical_topk(logits, row_lens, local)
+    if share is not None:
+        rows = [n * next_n for n in share[2]]
+        topk_indices.copy_(gather_decode_topk(local.contiguous(), rows))
     if padded:
         topk_indices = unpack_seq_triton(
             topk_indices.reshape(batch_size, -1, topk_indices.shape[-1]), decode_lens
