@@ -24,6 +24,12 @@ device (dense fp8 prefill below SM100) is recorded as skipped, with why.
         --tp-heads 96 12 --json out.json --profile
     python benchmarks/layer/bench_dsa_layer.py \\
         --layers fused dense-bf16 dense-fp8 --tp-heads 12 --json out.json
+
+``fused-shared`` and ``wrapper-shared`` time one rank of TP ``--indexer-tp``
+(give ``--tp-heads`` its heads, 12 for TP 8): its share of the indexer's
+prefill rows and, at batch >= TP, of the decode requests (as
+``VLLM_KIMI_K3_DSA_INDEXER_DECODE_SHARD=1`` shares them), the top-k
+all-gathers stood in for by device copies (:mod:`indexer_share`).
 """
 
 from __future__ import annotations
@@ -296,12 +302,15 @@ def measure(
         if shared:
             out["indexer_tp"] = args.indexer_tp
             out["indexer_rows_by_rank"] = I.share_prefill_rows(bench, args.indexer_tp)
-            exchange = I.stand_in_row_exchange()
+            exchange = I.stand_in_row_exchange(args.indexer_tp)
         with exchange as exchanged:
             median, eager_reason = S.under_env(kind, time_step, bench, args.reps)
             if args.profile:
                 stages = S.under_env(kind, profile_step, bench)
-        if shared and out["indexer_rows_by_rank"] is not None and not exchanged:
+        expect_exchange = out.get("indexer_rows_by_rank") is not None or (
+            spec.mode == "decode" and spec.batch >= args.indexer_tp
+        )
+        if shared and expect_exchange and not exchanged:
             raise RuntimeError("the indexer scored every row: no row exchange ran")
         out["median_us"] = median
         if spec.mode == "decode":

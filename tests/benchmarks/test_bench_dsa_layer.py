@@ -986,6 +986,22 @@ def test_stand_in_exchange_moves_every_ranks_rows():
     assert (buffer[9:] == -7).all()
 
 
+def test_stand_in_shares_rank_zeros_decode_requests():
+    import indexer_share as I
+
+    from vllm.models.kimi_k3.nvidia import dsa_indexer_op as OP
+
+    share, gather = OP.decode_request_share, OP.gather_decode_topk
+    with I.stand_in_row_exchange(8) as exchanged:
+        assert OP.decode_request_share(7) is None
+        assert OP.decode_request_share(19) == (0, 3, [3, 3, 3, 2, 2, 2, 2, 2])
+        local = torch.arange(6, dtype=torch.int32).view(3, 2)
+        rows = OP.gather_decode_topk(local, [3, 3, 3, 2, 2, 2, 2, 2])
+        assert rows.shape == (19, 2) and torch.equal(rows[3:6], local)
+    assert exchanged == [19]
+    assert (OP.decode_request_share, OP.gather_decode_topk) == (share, gather)
+
+
 def test_shared_layers_on_the_command_line(capsys):
     args = B.parse_args(["--layers", "fused", "fused-shared", "--tp-heads", "12"])
     assert args.layers == ["fused", "fused-shared"] and args.indexer_tp == 8

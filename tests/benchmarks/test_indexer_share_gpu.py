@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""vLLM 0.33.0's prefill row shard of the indexer (on once a step prefills
-``attention_config.indexer_tp_shard_min_rows`` rows) selects the replicated
-indexer's top-k, through our scoring op: one fused DSA layer on one GPU (the
-layer benchmark's setup: vLLM's builders, caches and the layer), the chunk
-scored once with every row, then once per rank of TP 2 and TP 8 with that
-rank's rows, the all-gather replaced by what it computes (each rank's rows
-put in place). The canonical top-k makes the rows comparable bit for bit."""
+"""The indexer's rows shared across TP ranks select the replicated indexer's
+top-k, through our scoring op: vLLM 0.33.0's prefill row shard (on once a
+step prefills ``attention_config.indexer_tp_shard_min_rows`` rows) and our
+decode request share (``VLLM_KIMI_K3_DSA_INDEXER_DECODE_SHARD=1``). One fused
+DSA layer on one GPU (the layer benchmark's setup: vLLM's builders, caches
+and the layer): the step scored once with every row, then once per rank of
+TP 2 and TP 8 with that rank's rows, the all-gather replaced by what it
+computes (each rank's rows put in place). The canonical top-k makes the rows
+comparable bit for bit."""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ pytestmark = pytest.mark.gpu
 HEADS = 12
 # A chunk longer than the top-k after a cached context: rows of every length.
 SPEC = S.Spec("prefill", 1, 3000, 2048)
+# Decode requests whose contexts are longer than the top-k.
+DECODE = S.Spec("decode", 19, 5000, 1)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +46,9 @@ def layer_config():
     if reason is not None:
         pytest.skip(reason)
     args = argparse.Namespace(
-        contexts=[SPEC.context], decode_batches=[], prefill_chunks=[SPEC.tokens]
+        contexts=[SPEC.context, DECODE.context],
+        decode_batches=[DECODE.batch],
+        prefill_chunks=[SPEC.tokens],
     )
     cfg = S.make_vllm_config("fused", HEADS, B.HIDDEN, *B.config_sizes(args))
     B.init_runtime(cfg, torch.device("cuda"))
@@ -54,7 +60,7 @@ def _step_topk(bench: S.LayerBench) -> torch.Tensor:
     S.under_env("fused", B.forward, bench, False)
     torch.cuda.synchronize()
     buffer = bench.layer.topk_indices_buffer
-    return buffer[: SPEC.num_tokens].clone()
+    return buffer[: bench.spec.num_tokens].clone()
 
 
 @pytest.mark.parametrize("tp", [2, 8])
@@ -85,4 +91,37 @@ def test_rank_shares_select_the_replicated_topk(layer_config, monkeypatch, tp):
     torch.cuda.synchronize()
     starts = [sum(sizes[:r]) for r in range(tp)]
     assert scored == [(s, s + n) for s, n in zip(starts, sizes, strict=True)]
+    assert torch.equal(gathered, want)
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_rank_shares_of_the_decode_requests_select_the_replicated_topk(
+    layer_config, monkeypatch, tp
+):
+    from vllm.models.kimi_k3.common.dsa_envs import INDEXER_DECODE_SHARD_ENV
+    from vllm.models.kimi_k3.nvidia import dsa_indexer_op as OP
+
+    bench = S.setup("fused", DECODE, layer_config, torch.device("cuda"))
+    assert bench.layer._packed is not None, "the fused layer did not pack"
+    want = _step_topk(bench)
+    assert (want[:, 0] >= 0).all(), "a row selected nothing"
+    monkeypatch.setenv(INDEXER_DECODE_SHARD_ENV, "1")
+    monkeypatch.setattr(OP, "get_tensor_model_parallel_world_size", lambda: tp)
+    gathered = torch.full_like(want, -2)
+    shares: list[tuple[int, int]] = []
+
+    def gather_decode_topk(local, sizes):
+        rank = len(shares)
+        start = sum(sizes[:rank])
+        shares.append((start, start + sizes[rank]))
+        gathered[start : start + sizes[rank], : local.shape[1]] = local
+        return gathered[: sum(sizes), : local.shape[1]]
+
+    monkeypatch.setattr(OP, "gather_decode_topk", gather_decode_topk)
+    for rank in range(tp):
+        monkeypatch.setattr(OP, "get_tensor_model_parallel_rank", lambda r=rank: r)
+        bench.layer.topk_indices_buffer.fill_(-3)
+        _step_topk(bench)
+    torch.cuda.synchronize()
+    assert len(shares) == tp and shares[-1][1] == DECODE.batch
     assert torch.equal(gathered, want)
