@@ -69,3 +69,28 @@ def test_dp_attention_with_expert_parallelism_is_planned_per_engine(
 def test_the_plan_refuses_a_dp_size_below_one(capsys: pytest.CaptureFixture[str]):
     assert kv_plan_cli.main(["--dp", "0"]) == 2
     assert "--dp must be a positive integer, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_tp_says_once_how_the_indexer_decode_rows_run(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, record_logs, shared: bool
+):
+    """At TP > 1 the config check says that every rank scores every decode
+    row and names the switch that shares them; with it on, the op says so."""
+    from vllm.models.kimi_k3.common import dsa_verify
+    from vllm.models.kimi_k3.common.dsa_envs import INDEXER_DECODE_SHARD_ENV
+
+    monkeypatch.setenv(INDEXER_DECODE_SHARD_ENV, "1" if shared else "0")
+    logs = record_logs(dsa_verify)
+    create_engine_config(
+        checkpoint, max_model_len=MAX_MODEL_LEN, tensor_parallel_size=4
+    )
+    said = [m for m in logs.messages("info_once") if "decode rows" in m]
+    if shared:
+        assert said == []
+    else:
+        assert said == [
+            "Kimi K3.1 DSA: every one of the 4 TP ranks scores all of the "
+            f"indexer's decode rows; {INDEXER_DECODE_SHARD_ENV}=1 shares them by "
+            "request."
+        ]

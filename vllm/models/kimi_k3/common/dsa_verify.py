@@ -22,10 +22,12 @@ from vllm.models.kimi_k3.common.dsa_config import (
 from vllm.models.kimi_k3.common.dsa_envs import (
     EXPERIMENTAL_DCP_ENV,
     FORCE_WRAPPER_ENV,
+    INDEXER_DECODE_SHARD_ENV,
     MLA_KERNEL_PAGES_ENV,
     check_env_switches,
     experimental_dcp,
     force_wrapper_forward,
+    indexer_decode_shard,
     mla_kernel_pages_in_use,
 )
 from vllm.models.kimi_k3.common.dsa_formats import (
@@ -322,6 +324,14 @@ def check_decode_backend(vllm_config: VllmConfig) -> None:
 
 def check_dsa_parallelism(vllm_config: VllmConfig, dsa: DSAConfig) -> None:
     """Decode context parallelism is refused unless explicitly opted in."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp > 1 and not indexer_decode_shard():
+        logger.info_once(
+            "Kimi K3.1 DSA: every one of the %d TP ranks scores all of the "
+            "indexer's decode rows; %s=1 shares them by request.",
+            tp,
+            INDEXER_DECODE_SHARD_ENV,
+        )
     dcp = vllm_config.parallel_config.decode_context_parallel_size
     if dcp <= 1:
         return
