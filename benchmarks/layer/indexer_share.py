@@ -85,8 +85,7 @@ def stand_in_row_exchange(tp: int = 8) -> Iterator[list[int]]:
     def decode_request_share(num_requests: int) -> Any:
         if num_requests < tp:
             return None
-        base, extra = divmod(num_requests, tp)
-        sizes = [base + (rank < extra) for rank in range(tp)]
+        sizes = dsa_indexer_op.decode_request_sizes(num_requests, tp)
         return 0, sizes[0], sizes
 
     def gather_decode_topk(local: Any, sizes: list[int]) -> Any:

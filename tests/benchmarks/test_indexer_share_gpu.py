@@ -106,6 +106,7 @@ def test_rank_shares_of_the_decode_requests_select_the_replicated_topk(
     want = _step_topk(bench)
     assert (want[:, 0] >= 0).all(), "a row selected nothing"
     monkeypatch.setenv(INDEXER_DECODE_SHARD_ENV, "1")
+    OP.decode_share_enabled.cache_clear()  # read once a process
     monkeypatch.setattr(OP, "get_tensor_model_parallel_world_size", lambda: tp)
     gathered = torch.full_like(want, -2)
     shares: list[tuple[int, int]] = []
@@ -123,5 +124,6 @@ def test_rank_shares_of_the_decode_requests_select_the_replicated_topk(
         bench.layer.topk_indices_buffer.fill_(-3)
         _step_topk(bench)
     torch.cuda.synchronize()
+    OP.decode_share_enabled.cache_clear()
     assert len(shares) == tp and shares[-1][1] == DECODE.batch
     assert torch.equal(gathered, want)

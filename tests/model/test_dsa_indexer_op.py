@@ -242,25 +242,37 @@ def test_decode_row_lens() -> None:
     assert OP.decode_row_lens(per_request, 1, 2).tolist() == [4, 10]
 
 
+@pytest.fixture
+def decode_switch(monkeypatch: pytest.MonkeyPatch):
+    """``decode_switch(on)``: set the decode-share switch, which the op reads
+    once a process."""
+    from vllm.models.kimi_k3.common.dsa_envs import INDEXER_DECODE_SHARD_ENV
+
+    def switch(on: bool) -> None:
+        monkeypatch.setenv(INDEXER_DECODE_SHARD_ENV, "1" if on else "0")
+        OP.decode_share_enabled.cache_clear()
+
+    yield switch
+    OP.decode_share_enabled.cache_clear()
+
+
 @pytest.mark.parametrize(("tp", "num_decodes"), [(2, 5), (4, 4), (4, 7)])
 def test_shared_decode_rows_equal_the_replicated_ones(
-    dsa_layer_env, kernels, monkeypatch, tp, num_decodes
+    dsa_layer_env, kernels, monkeypatch, decode_switch, tp, num_decodes
 ):
     """With the indexer's decode rows shared, each TP rank scores its
     contiguous share of the requests (DeepGEMM scheduled for those alone)
     and one all-gather puts every rank's rows in place: the ranks' rows, put
     together in rank order, are the replicated op's."""
-    from vllm.models.kimi_k3.common.dsa_envs import INDEXER_DECODE_SHARD_ENV
-
     decode_lens = [5 + 7 * i for i in range(num_decodes)]
     scores = tie_heavy(num_decodes, 64, seed=tp + num_decodes)
     metadata = step_metadata([], decode_lens)
     kernels([scores], seed=0)
     replicated = run_op(dsa_layer_env.vllm_config, metadata, num_decodes).clone()
 
-    monkeypatch.setenv(INDEXER_DECODE_SHARD_ENV, "1")
+    decode_switch(True)
     monkeypatch.setattr(OP, "get_tensor_model_parallel_world_size", lambda: tp)
-    monkeypatch.setattr(OP, "_num_sms", lambda index: 1)
+    monkeypatch.setattr(OP, "num_compute_units", lambda index: 1)
     scheduled: list[list[int]] = []
 
     def schedule(seq_lens, block_size, num_sms, indices=None):
@@ -293,13 +305,12 @@ def test_shared_decode_rows_equal_the_replicated_ones(
     assert torch.equal(torch.cat(gathered), replicated)
 
 
-def test_decode_rows_stay_replicated_below_the_rank_count(monkeypatch):
-    from vllm.models.kimi_k3.common.dsa_envs import INDEXER_DECODE_SHARD_ENV
-
+def test_decode_rows_stay_replicated_below_the_rank_count(monkeypatch, decode_switch):
     monkeypatch.setattr(OP, "get_tensor_model_parallel_world_size", lambda: 8)
     monkeypatch.setattr(OP, "get_tensor_model_parallel_rank", lambda: 3)
+    decode_switch(False)
     assert OP.decode_request_share(64) is None  # the switch is off
-    monkeypatch.setenv(INDEXER_DECODE_SHARD_ENV, "1")
+    decode_switch(True)
     assert OP.decode_request_share(7) is None  # fewer requests than ranks
     assert OP.decode_request_share(64) == (24, 32, [8] * 8)
     assert OP.decode_request_share(11) == (6, 7, [2, 2, 2, 1, 1, 1, 1, 1])

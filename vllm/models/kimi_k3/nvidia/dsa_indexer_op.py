@@ -138,13 +138,24 @@ def _score_prefill(
         row_shard.exchange_topk(topk_indices_buffer, topk_tokens)
 
 
+# The switch is fixed for the process (parsed at config verification).
+decode_share_enabled = functools.cache(indexer_decode_shard)
+
+
+def decode_request_sizes(num_requests: int, world: int) -> list[int]:
+    """Requests per rank: contiguous, the first ``num_requests % world``
+    ranks one more."""
+    base, extra = divmod(num_requests, world)
+    return [base + (rank < extra) for rank in range(world)]
+
+
 def decode_request_share(num_requests: int) -> tuple[int, int, list[int]] | None:
     """This TP rank's contiguous share of the decode requests and every
     rank's count, when the indexer's decode rows are shared; None when each
     rank scores them all (the switch off, TP 1, fewer requests than ranks,
     or inside a CUDA graph capture)."""
     world = get_tensor_model_parallel_world_size()
-    if world < 2 or num_requests < world or not indexer_decode_shard():
+    if world < 2 or num_requests < world or not decode_share_enabled():
         return None
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
@@ -154,8 +165,7 @@ def decode_request_share(num_requests: int) -> tuple[int, int, list[int]] | None
         world,
         INDEXER_DECODE_SHARD_ENV,
     )
-    base, extra = divmod(num_requests, world)
-    sizes = [base + (rank < extra) for rank in range(world)]
+    sizes = decode_request_sizes(num_requests, world)
     rank = get_tensor_model_parallel_rank()
     start = sum(sizes[:rank])
     return start, start + sizes[rank], sizes
@@ -164,11 +174,6 @@ def decode_request_share(num_requests: int) -> tuple[int, int, list[int]] | None
 def gather_decode_topk(local: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """Every rank's top-k rows in rank order: one all-gather."""
     return get_tp_group().all_gatherv(local, dim=0, sizes=sizes)
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return num_compute_units(device_index)
 
 
 def _score_decode(
@@ -241,7 +246,9 @@ def _score_decode(
             decode.block_table[start:stop],
             # DeepGEMM's SM schedule of this rank's requests alone.
             get_paged_mqa_logits_metadata(
-                row_seq_lens, kv_cache.shape[1], _num_sms(kv_cache.device.index)
+                row_seq_lens,
+                kv_cache.shape[1],
+                num_compute_units(kv_cache.device.index),
             ),
             max_model_len=max_model_len,
         )
