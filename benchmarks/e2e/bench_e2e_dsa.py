@@ -320,7 +320,10 @@ def engine_kwargs(model: str, max_len: int, args: argparse.Namespace) -> dict:
     """``vllm.LLM``'s arguments, the same for every mode: only the checkpoint,
     the wrapper switch and the MTP draft differ."""
     draft = {}
+    length = {"max_position_embeddings": max_len}
     if getattr(args, "mode", None) == "mtp":
+        # The multimodal checkpoint keeps the length in its text config.
+        length = {"text_config": length}
         draft = {
             "speculative_config": {
                 "method": "kimi_k3_mtp",
@@ -333,7 +336,7 @@ def engine_kwargs(model: str, max_len: int, args: argparse.Namespace) -> dict:
         "skip_tokenizer_init": True,
         "enable_prefix_caching": False,
         "max_model_len": max_len,
-        "hf_overrides": {"max_position_embeddings": max_len},
+        "hf_overrides": length,
         "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30),
         # vLLM 0.33.0's packed KDA decode kernel launches (V / 32, batch x KDA
         # heads) programs, and a grid's y is at most 65535: with this

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from kimi_k3_dsa_tools.tiny_checkpoint import tiny_multimodal_config
+
 _ROOT = next(
     p for p in Path(__file__).resolve().parents if (p / "benchmarks" / "e2e").is_dir()
 )
@@ -270,6 +272,30 @@ def test_engine_arguments_pass_vllms_configuration(
         heads = 96 // (args.one_rank_of_tp or 1)
         assert cfg.model_config.get_num_attention_heads(cfg.parallel_config) == heads
         assert cfg.parallel_config.tensor_parallel_size == 1
+
+
+def test_mtp_engine_arguments_pass_vllms_configuration(
+    tmp_path: Path, engine_config
+) -> None:
+    """The MTP mode's multimodal checkpoint takes the longest row's length
+    too: its text config holds ``max_position_embeddings``."""
+    args = E.parse_args(["--dry-run", "--modes", "fused", "mtp", "--mtp-tokens", "3"])
+    args.start, args.mode = 0, "mtp"
+    # The writer's config-only mode is text-only: nest the DSA checkpoint's
+    # text config the way the multimodal checkpoint does, with its MTP layer.
+    text = E.write_checkpoints(tmp_path, seed=0, config_only=True)["dsa"]
+    text_config = json.loads((text / "config.json").read_text())
+    text_config["num_nextn_predict_layers"] = 1
+    mtp = tmp_path / "ckpt-dsa-mm"
+    mtp.mkdir()
+    (mtp / "config.json").write_text(json.dumps(tiny_multimodal_config(**text_config)))
+    max_len = 32768 + args.output_len
+    kwargs = E.engine_kwargs(str(mtp), max_len, args)
+    model = kwargs.pop("model")
+    cfg = engine_config(Path(model), **kwargs)
+    assert cfg.model_config.max_model_len == max_len
+    assert cfg.speculative_config.num_speculative_tokens == 3
+    assert cfg.speculative_config.method == "mtp"  # vLLM folds kimi_k3_mtp into mtp
 
 
 def test_vllm_bench_latency_gets_the_drivers_engine(
