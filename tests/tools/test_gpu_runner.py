@@ -91,6 +91,36 @@ def test_a_running_sitting_is_not_restarted_and_stop_kills_it(tmp_path):
     assert "killed" in polled.stdout
 
 
+def test_a_forced_start_stops_the_running_sitting_first(tmp_path):
+    state, pid_file = tmp_path / "gpu", tmp_path / "old.pid"
+    old = f"s=echo $$ > {pid_file}; exec sleep 60"
+    assert runner(state, "start", "s", "--then", "t", "--command", old,
+                  "--command", "t=sleep 60").returncode == 0  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    old_pid = int(pid_file.read_text())
+    forced = runner(state, "start", "--force", "n", "--command", "n=echo new")
+    assert forced.returncode == 0, forced.stderr
+    assert "stopped ['s', 't']" in forced.stdout
+    deadline = time.monotonic() + 30
+    while _alive(old_pid):
+        assert time.monotonic() < deadline, "the old suite still runs"
+        time.sleep(0.2)
+    ended = wait_ended(state)
+    assert list(ended["suites"]) == ["n"] and ended["suites"]["n"]["state"] == "passed"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "zombie" in status.read_text())
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -588,6 +588,10 @@ def start(args: argparse.Namespace) -> int:
     if running and not args.force:
         print(f"suites {running} are still pending or running", file=sys.stderr)
         return 2
+    if running:
+        # Two supervisors would share the GPU and the progress file.
+        stop(args)
+        print(f"stopped {running}")
     state.mkdir(parents=True, exist_ok=True)
     _write_progress(
         state,
