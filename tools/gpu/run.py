@@ -190,6 +190,14 @@ SUITES: dict[str, Suite] = {
         "scores with ties: raw run-to-run changes, canonical rows fixed "
         "(vLLM installed)",
     ),
+    "sparse-mla-bench": Suite(
+        "python3 benchmarks/kernels/bench_sparse_mla.py --json $LOGS/sparse_mla.json",
+        VLLM_ENV,
+        300,
+        "sparse MLA at 12, 16 and 32 heads: sparse_mla_fp8 against FlashMLA's "
+        "sparse decode padded to 64 heads (graph replay, decode batches and "
+        "prefill chunks, top-k 2048 over 128K)",
+    ),
     "topk-bench": Suite(
         "python3 benchmarks/kernels/bench_canonical_topk.py "
         "--json $LOGS/canonical_topk.json",

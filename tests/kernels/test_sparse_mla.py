@@ -1,0 +1,158 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``sparse_mla_fp8`` on the CPU: the reference against attention written
+out per token, its input checks, and the Triton kernels run by Triton's
+interpreter (a subprocess: Triton reads ``TRITON_INTERPRET`` when the kernels
+are defined) against the reference: few heads, odd top-k, -1 and
+out-of-cache slots, an empty row, a strided (packed-row) cache, every split
+count."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vllm.models.kimi_k3.nvidia.dsa_ops.formats import fp8_ds_mla_entry
+from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (
+    QK_DIM,
+    dequantize_entries,
+    sparse_mla_fp8,
+    sparse_mla_fp8_reference,
+)
+
+SCALE = 1 / math.sqrt(192)
+
+
+def packed_cache(
+    blocks: int, block_size: int, gap: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ``fp8_ds_mla`` cache whose blocks sit ``gap`` bytes apart in a
+    larger row (as in the packed DSA row), the gap filled with 0xFF."""
+    g = torch.Generator().manual_seed(seed)
+    entries = fp8_ds_mla_entry(
+        torch.randn(blocks * block_size, 512, generator=g),
+        torch.randn(blocks * block_size, 64, generator=g),
+    )
+    row = block_size * entries.shape[1] + gap
+    storage = torch.full((blocks, row), 0xFF, dtype=torch.uint8)
+    storage[:, : block_size * entries.shape[1]] = entries.view(blocks, -1)
+    cache = storage.as_strided((blocks, block_size, entries.shape[1]), (row, 656, 1))
+    return cache, entries
+
+
+def test_reference_is_attention_over_the_selected_slots() -> None:
+    cache, entries = packed_cache(blocks=3, block_size=16, gap=100, seed=0)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 5, QK_DIM, generator=g).bfloat16()
+    indices = torch.tensor(
+        [[3, -1, 40, 7, 47], [-1, -1, -1, -1, -1]], dtype=torch.int32
+    )
+    out, lse = sparse_mla_fp8_reference(q, cache, indices, SCALE)
+    latent, rope = dequantize_entries(entries)
+    keys = torch.cat((latent.bfloat16().float(), rope), dim=-1)
+    chosen = [3, 40, 7, 47]
+    scores = q[0].float() @ keys[chosen].T * SCALE
+    probs = torch.softmax(scores, dim=-1)
+    expected = (probs @ latent.bfloat16().float()[chosen]).bfloat16()
+    torch.testing.assert_close(out[0], expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse[0], torch.logsumexp(scores, dim=-1))
+    # A row that selects nothing: zeros and -inf.
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isneginf(lse[1]).all()
+    # The CPU entry point is the reference.
+    cpu_out, cpu_lse = sparse_mla_fp8(q, cache, indices, SCALE)
+    assert torch.equal(cpu_out, out) and torch.equal(cpu_lse, lse)
+
+
+def test_bad_inputs() -> None:
+    cache, _ = packed_cache(blocks=2, block_size=16, gap=0, seed=0)
+    q = torch.zeros(2, 4, QK_DIM, dtype=torch.bfloat16)
+    idx = torch.zeros(2, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"q must be bf16 \[tokens, heads, 576\]"):
+        sparse_mla_fp8(q.float(), cache, idx, SCALE)
+    with pytest.raises(ValueError, match=r"q must be bf16"):
+        sparse_mla_fp8(q[..., :512], cache, idx, SCALE)
+    with pytest.raises(ValueError, match=r"kv_cache must be uint8 \[blocks"):
+        sparse_mla_fp8(q, cache[..., :512], idx, SCALE)
+    with pytest.raises(ValueError, match="contiguous 656-byte rows"):
+        sparse_mla_fp8(q, cache[:, ::2], idx, SCALE)
+    with pytest.raises(ValueError, match=r"indices must be int32 \[2, k > 0\]"):
+        sparse_mla_fp8(q, cache, idx.long(), SCALE)
+    with pytest.raises(ValueError, match=r"indices must be int32 \[2, k > 0\]"):
+        sparse_mla_fp8(q, cache, idx[:1], SCALE)
+    with pytest.raises(ValueError, match=r"indices must be int32 \[2, k > 0\]"):
+        sparse_mla_fp8(q, cache, idx[:, :0], SCALE)
+
+
+INTERPRETED = textwrap.dedent(
+    """
+    import math
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    # Triton 3.8's interpreter multiplies bf16 dot operands as their raw
+    # uint16 bits; widen them to fp32 first (what the GPU's MMA computes).
+    _dot = interpreter.InterpreterBuilder.create_dot
+
+    def _bf16_as_fp32(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        bits = (h.data.astype(np.uint32) << 16).view(np.float32)
+        return interpreter.TensorHandle(bits, tl.float32)
+
+    def create_dot(self, a, b, d, *args):
+        return _dot(self, _bf16_as_fp32(a), _bf16_as_fp32(b), d, *args)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+    from vllm.models.kimi_k3.nvidia.dsa_ops import sparse_mla as S
+    from tests.kernels.test_sparse_mla import packed_cache
+
+    cache, _ = packed_cache(blocks=4, block_size=32, gap=72, seed=3)
+    slots = cache.shape[0] * cache.shape[1]
+    scale = 1 / math.sqrt(192)
+    for trial, (tokens, heads, k, splits) in enumerate(
+        [(3, 12, 70, 1), (3, 12, 70, 2), (2, 20, 70, 3), (1, 16, 96, 3),
+         (2, 5, 33, None)]
+    ):  # fmt: skip
+        g = torch.Generator().manual_seed(trial)
+        q = torch.randn(tokens, heads + 3, S.QK_DIM, generator=g).bfloat16()
+        q = q[:, 1 : heads + 1]  # strided heads
+        idx = torch.randint(0, slots, (tokens, k), generator=g, dtype=torch.int32)
+        idx[:, ::5] = -1
+        idx[0, 1] = slots + 7  # past the cache: skipped
+        if tokens > 1:
+            idx[-1] = -1  # selects nothing
+        ref_out, ref_lse = S.sparse_mla_fp8_reference(q, cache, idx, scale)
+        out = torch.full_like(ref_out, 7.0)
+        lse = torch.full_like(ref_lse, 7.0)
+        n = splits or S.default_num_splits(tokens, heads, k, programs=8)
+        S._launch(q, cache, idx, scale, n, out, lse)
+        torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    print("interpreted kernels match")
+    """
+)
+
+
+def test_triton_kernels_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
+    result = subprocess.run(
+        [sys.executable, "-c", INTERPRETED],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "interpreted kernels match" in result.stdout

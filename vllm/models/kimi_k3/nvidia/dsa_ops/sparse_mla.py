@@ -1,0 +1,371 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Sparse MLA over an ``fp8_ds_mla`` cache for few query heads (Triton +
+torch). FlashMLA's sparse kernels take 64 or 128 heads, so a TP rank of
+Kimi K3.1 (12 heads at TP 8) pays for 64; this kernel runs heads in blocks
+of 16 and splits each row's top-k across programs, so that one decode token
+still fills the GPU. Absorbed form: the value is the 512-dim latent."""
+
+import functools
+import math
+
+import torch
+
+from vllm.models.kimi_k3.common.dsa_formats import (
+    DS_MLA_ENTRY_BYTES,
+    DS_MLA_NOPE_DIM,
+    DS_MLA_ROPE_DIM,
+    DS_MLA_ROPE_OFFSET,
+    DS_MLA_SCALE_OFFSET,
+    DS_MLA_TILE,
+)
+from vllm.models.kimi_k3.nvidia.dsa_ops._triton import HAS_TRITON, tl, triton
+from vllm.models.kimi_k3.nvidia.dsa_ops.formats import fp8_e4m3_decode
+from vllm.models.kimi_k3.nvidia.dsa_ops.torch_path import runs_torch_path
+
+QK_DIM = DS_MLA_NOPE_DIM + DS_MLA_ROPE_DIM
+_BLOCK_H = 16
+_BLOCK_N = 32
+# Programs per SM a launch aims at, and the fewest keys a split takes (its
+# partial output costs as much to write as 128 keys to read).
+_PROGRAMS_PER_SM = 2
+_MIN_SPLIT_KEYS = 128
+
+
+def _check_inputs(
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
+) -> None:
+    op = "sparse_mla_fp8"
+    if q.dim() != 3 or q.dtype != torch.bfloat16 or q.shape[2] != QK_DIM:
+        raise ValueError(
+            f"{op}: q must be bf16 [tokens, heads, {QK_DIM}], got {q.dtype} "
+            f"{tuple(q.shape)}"
+        )
+    if q.stride(2) != 1:
+        raise ValueError(f"{op}: q's last dimension must be contiguous")
+    if (
+        kv_cache.dim() != 3
+        or kv_cache.dtype != torch.uint8
+        or kv_cache.shape[2] != DS_MLA_ENTRY_BYTES
+    ):
+        raise ValueError(
+            f"{op}: kv_cache must be uint8 [blocks, block_size, "
+            f"{DS_MLA_ENTRY_BYTES}] (fp8_ds_mla), got {kv_cache.dtype} "
+            f"{tuple(kv_cache.shape)}"
+        )
+    if (
+        kv_cache.stride(2) != 1
+        or kv_cache.stride(1) != DS_MLA_ENTRY_BYTES
+        or kv_cache.stride(0) % 4
+        or kv_cache.storage_offset() % 4
+    ):
+        raise ValueError(
+            f"{op}: kv_cache entries must be contiguous {DS_MLA_ENTRY_BYTES}-byte "
+            "rows and its blocks 4-byte aligned (a block may be strided), got "
+            f"strides {kv_cache.stride()}, offset {kv_cache.storage_offset()}"
+        )
+    tokens = q.shape[0]
+    if (
+        indices.dim() != 2
+        or indices.dtype != torch.int32
+        or indices.shape[0] != tokens
+        or indices.shape[1] == 0
+        or indices.stride(1) != 1
+    ):
+        raise ValueError(
+            f"{op}: indices must be int32 [{tokens}, k > 0] with contiguous "
+            f"rows, got {indices.dtype} {tuple(indices.shape)}"
+        )
+    devices = {q.device, kv_cache.device, indices.device}
+    if len(devices) != 1:
+        raise ValueError(f"{op}: inputs are on different devices: {devices}")
+
+
+def dequantize_entries(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 latent ``[..., 512]`` and rope ``[..., 64]`` of ``fp8_ds_mla``
+    entries ``[..., 656]`` uint8."""
+    codes = entries[..., :DS_MLA_NOPE_DIM]
+    scale_bytes = entries[..., DS_MLA_SCALE_OFFSET:DS_MLA_ROPE_OFFSET].contiguous()
+    scales = scale_bytes.view(torch.float32)
+    tiles = fp8_e4m3_decode(codes).unflatten(-1, (-1, DS_MLA_TILE))
+    latent = (tiles * scales.unsqueeze(-1)).flatten(-2)
+    rope = entries[..., DS_MLA_ROPE_OFFSET:].contiguous().view(torch.bfloat16)
+    return latent, rope.float()
+
+
+def sparse_mla_fp8_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`sparse_mla_fp8` computes, in fp32 with the kernel's bf16
+    roundings of the dequantized latent: ``out [T, H, 512]`` bf16 and the
+    natural-log ``lse [T, H]`` (-inf, and a zero row, where a row selects
+    nothing)."""
+    _check_inputs(q, kv_cache, indices)
+    flat = kv_cache.reshape(-1, DS_MLA_ENTRY_BYTES)
+    valid = (indices >= 0) & (indices < flat.shape[0])
+    latent, rope = dequantize_entries(flat[torch.where(valid, indices, 0).long()])
+    latent = latent.bfloat16().float()
+    qf = q.float()
+    scores = torch.einsum("thd,tkd->thk", qf[..., :DS_MLA_NOPE_DIM], latent)
+    scores += torch.einsum("thd,tkd->thk", qf[..., DS_MLA_NOPE_DIM:], rope)
+    scores = (scores * softmax_scale).masked_fill(~valid[:, None, :], -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.einsum("thk,tkd->thd", probs, latent)
+    return out.bfloat16(), lse
+
+
+def sparse_mla_fp8(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each token's heads over its selected cache slots.
+
+    ``q [T, H, 576]`` bf16 (latent, then rope), ``kv_cache [blocks,
+    block_size, 656]`` ``fp8_ds_mla`` (blocks may be strided, as in a packed
+    row), ``indices [T, k]`` int32 slots (``block * block_size + offset``;
+    -1 and slots past the cache are skipped). Returns ``out [T, H, 512]``
+    bf16 and ``lse [T, H]`` fp32 (natural log). CPU tensors take the torch
+    path."""
+    _check_inputs(q, kv_cache, indices)
+    if runs_torch_path(q) or not HAS_TRITON:
+        return sparse_mla_fp8_reference(q, kv_cache, indices, softmax_scale)
+    tokens, heads, _ = q.shape
+    out = q.new_empty(tokens, heads, DS_MLA_NOPE_DIM)
+    lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
+    if tokens == 0 or heads == 0:
+        return out, lse
+    if num_splits is None:
+        programs = _PROGRAMS_PER_SM * _sm_count(q.device.index or 0)
+        num_splits = default_num_splits(tokens, heads, indices.shape[1], programs)
+    _launch(q, kv_cache, indices, softmax_scale, num_splits, out, lse)
+    return out, lse
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(tokens: int, heads: int, topk: int, programs: int) -> int:
+    """Splits of each row's top-k: about ``programs`` programs in all, at
+    least ``_MIN_SPLIT_KEYS`` keys each."""
+    rows = tokens * -(-heads // _BLOCK_H)
+    most = max(1, -(-topk // _MIN_SPLIT_KEYS))
+    return max(1, min(most, -(-programs // rows)))
+
+
+def _launch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    num_splits: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    tokens, heads, _ = q.shape
+    topk = indices.shape[1]
+    # Whole key blocks per split, so that splits never share a block.
+    split_len = triton.cdiv(triton.cdiv(topk, num_splits), _BLOCK_N) * _BLOCK_N
+    num_splits = -(-topk // split_len)
+    single = num_splits == 1
+    if single:
+        part_out, part_lse = out, lse
+    else:
+        part_out = torch.empty(
+            tokens, num_splits, heads, DS_MLA_NOPE_DIM,
+            dtype=torch.float32, device=q.device,
+        )  # fmt: skip
+        part_lse = torch.empty(
+            tokens, num_splits, heads, dtype=torch.float32, device=q.device
+        )
+    grid = (tokens, num_splits, triton.cdiv(heads, _BLOCK_H))
+    _split_kernel[grid](
+        q,
+        q.stride(0),
+        q.stride(1),
+        kv_cache,
+        kv_cache.view(torch.float32),
+        kv_cache.view(torch.bfloat16),
+        kv_cache.stride(0),
+        kv_cache.shape[1],
+        kv_cache.shape[0] * kv_cache.shape[1],
+        indices,
+        indices.stride(0),
+        part_out,
+        part_lse,
+        heads,
+        topk,
+        split_len,
+        softmax_scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        SINGLE=single,
+        NOPE=DS_MLA_NOPE_DIM,
+        ROPE=DS_MLA_ROPE_DIM,
+        TILE=DS_MLA_TILE,
+        SCALE_OFFSET=DS_MLA_SCALE_OFFSET,
+        ROPE_OFFSET=DS_MLA_ROPE_OFFSET,
+        BLOCK_H=_BLOCK_H,
+        BLOCK_N=_BLOCK_N,
+        num_warps=8,
+    )
+    if not single:
+        _combine_kernel[(tokens, heads)](
+            part_out,
+            part_lse,
+            out,
+            lse,
+            num_splits,
+            heads,
+            NOPE=DS_MLA_NOPE_DIM,
+            SPLITS=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _split_kernel(
+        q_ptr,
+        q_token_stride,
+        q_head_stride,
+        cache_ptr,
+        cache_f32_ptr,
+        cache_bf16_ptr,
+        cache_block_stride,
+        block_size,
+        num_slots,
+        idx_ptr,
+        idx_token_stride,
+        out_ptr,
+        lse_ptr,
+        num_heads,
+        topk,
+        split_len,
+        scale_log2,
+        SINGLE: tl.constexpr,
+        NOPE: tl.constexpr,
+        ROPE: tl.constexpr,
+        TILE: tl.constexpr,
+        SCALE_OFFSET: tl.constexpr,
+        ROPE_OFFSET: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        num_splits = tl.num_programs(1)
+        heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+        head_ok = heads < num_heads
+        d = tl.arange(0, NOPE)
+        r = tl.arange(0, ROPE)
+        tiles = tl.arange(0, NOPE // TILE)
+        tile_cols = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
+        q_row = q_ptr + token * q_token_stride + heads[:, None] * q_head_stride
+        q_nope = tl.load(q_row + d[None, :], mask=head_ok[:, None], other=0.0)
+        q_rope = tl.load(q_row + NOPE + r[None, :], mask=head_ok[:, None], other=0.0)
+
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, NOPE], tl.float32)
+        start = split * split_len
+        end = tl.minimum(start + split_len, topk)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            slot = tl.load(
+                idx_ptr + token * idx_token_stride + n, mask=n < end, other=-1
+            )
+            valid = (slot >= 0) & (slot < num_slots)
+            valid3 = valid[:, None, None]
+            slot = tl.where(valid, slot, 0).to(tl.int64)
+            entry_byte = (slot // block_size) * cache_block_stride + (
+                slot % block_size
+            ) * (ROPE_OFFSET + 2 * ROPE)
+            # [keys, tiles, 128] codes times each tile's fp32 scale (the same
+            # bytes read as fp32; element units).
+            e3 = entry_byte[:, None, None]
+            codes = tl.load(
+                cache_ptr + e3 + tile_cols[None, :, :], mask=valid3, other=0
+            )
+            scales = tl.load(
+                cache_f32_ptr + (e3 + SCALE_OFFSET) // 4 + tiles[None, :, None],
+                mask=valid3,
+                other=0.0,
+            )
+            latent = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scales
+            latent = tl.reshape(latent.to(tl.bfloat16), (BLOCK_N, NOPE))
+            rope_at = (entry_byte + ROPE_OFFSET) // 2
+            rope = tl.load(
+                cache_bf16_ptr + rope_at[:, None] + r[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            )
+            s = tl.dot(q_nope, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))
+            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            # Rows with nothing selected yet keep m = -inf: shift by 0 there.
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - shift[:, None])
+            alpha = tl.exp2(m - shift)
+            denom = denom * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), latent)
+            m = m_new
+
+        empty = denom == 0.0
+        acc = acc / tl.where(empty, 1.0, denom)[:, None]
+        lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, denom)))
+        if SINGLE:
+            o_row = out_ptr + token * num_heads * NOPE + heads[:, None] * NOPE
+            tl.store(o_row + d[None, :], acc.to(tl.bfloat16), mask=head_ok[:, None])
+            tl.store(lse_ptr + token * num_heads + heads, lse2 * 0.6931471805599453,
+                     mask=head_ok)  # fmt: skip
+        else:
+            part = token * num_splits + split
+            o_row = out_ptr + (part * num_heads + heads[:, None]) * NOPE
+            tl.store(o_row + d[None, :], acc, mask=head_ok[:, None])
+            tl.store(lse_ptr + part * num_heads + heads, lse2, mask=head_ok)
+
+    @triton.jit
+    def _combine_kernel(
+        part_out_ptr,
+        part_lse_ptr,
+        out_ptr,
+        lse_ptr,
+        num_splits,
+        num_heads,
+        NOPE: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
+        # The splits in index order: the same sum whatever ran first.
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        s = tl.arange(0, SPLITS)
+        s_ok = s < num_splits
+        lse2 = tl.load(
+            part_lse_ptr + (token * num_splits + s) * num_heads + head,
+            mask=s_ok,
+            other=float("-inf"),
+        )
+        top = tl.max(lse2, axis=0)
+        shift = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp2(lse2 - shift)
+        total = tl.sum(w, axis=0)
+        d = tl.arange(0, NOPE)
+        parts = tl.load(
+            part_out_ptr
+            + ((token * num_splits + s[:, None]) * num_heads + head) * NOPE
+            + d[None, :],
+            mask=s_ok[:, None],
+            other=0.0,
+        )
+        o = tl.sum(parts * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(out_ptr + (token * num_heads + head) * NOPE + d, o.to(tl.bfloat16))
+        lse = tl.where(total == 0.0, float("-inf"), shift + tl.log2(total))
+        tl.store(lse_ptr + token * num_heads + head, lse * 0.6931471805599453)
