@@ -5,8 +5,6 @@ Triton kernels against them on the GPU, and the GPU proof that DeepGEMM's MQA
 logits read our quantized query (with an indexer key cache in our format) as
 the fp32 score ``sum_h relu(q_h . k) * w_h * weight_scale``."""
 
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -14,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from dsa_gpu_utils import requires_cuda
+from triton_interpreter import run_interpreted
 
 from vllm.models.kimi_k3.common.dsa_formats import indexer_entry_bytes
 from vllm.models.kimi_k3.nvidia.dsa_ops import reference
@@ -207,7 +206,6 @@ def test_mxfp4_triton_kernel_under_interpreter() -> None:
     """The MXFP4 Triton kernel, run by Triton's CPU interpreter, is byte-exact
     with the reference (its fp8/bf16 casts are not modelled faithfully by
     the interpreter, so only the integer-coded MXFP4 path is checked here)."""
-    pytest.importorskip("triton")
     script = textwrap.dedent(
         """
         import torch
@@ -230,19 +228,7 @@ def test_mxfp4_triton_kernel_under_interpreter() -> None:
         print("OK")
         """
     )
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            script,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+    assert "OK" in run_interpreted(script, timeout=300)
 
 
 # ---------------------------------------------------------------------------

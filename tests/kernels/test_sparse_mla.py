@@ -10,13 +10,10 @@ count."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
+from triton_interpreter import run_interpreted
 
 from vllm.models.kimi_k3.nvidia.dsa_ops.formats import fp8_ds_mla_entry
 from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (
@@ -90,69 +87,36 @@ def test_bad_inputs() -> None:
         sparse_mla_fp8(q, cache, idx[:, :0], SCALE)
 
 
-INTERPRETED = textwrap.dedent(
-    """
-    import math
-    import numpy as np
-    import torch
-    import triton.language as tl
-    from triton.runtime import interpreter
+INTERPRETED = """
+import math
+import torch
+from vllm.models.kimi_k3.nvidia.dsa_ops import sparse_mla as S
+from test_sparse_mla import packed_cache
 
-    # Triton 3.8's interpreter multiplies bf16 dot operands as their raw
-    # uint16 bits; widen them to fp32 first (what the GPU's MMA computes).
-    _dot = interpreter.InterpreterBuilder.create_dot
-
-    def _bf16_as_fp32(h):
-        if h.dtype.scalar != tl.bfloat16:
-            return h
-        bits = (h.data.astype(np.uint32) << 16).view(np.float32)
-        return interpreter.TensorHandle(bits, tl.float32)
-
-    def create_dot(self, a, b, d, *args):
-        return _dot(self, _bf16_as_fp32(a), _bf16_as_fp32(b), d, *args)
-
-    interpreter.InterpreterBuilder.create_dot = create_dot
-
-    from vllm.models.kimi_k3.nvidia.dsa_ops import sparse_mla as S
-    from tests.kernels.test_sparse_mla import packed_cache
-
-    cache, _ = packed_cache(blocks=4, block_size=32, gap=72, seed=3)
-    slots = cache.shape[0] * cache.shape[1]
-    scale = 1 / math.sqrt(192)
-    for trial, (tokens, heads, k, splits) in enumerate(
-        [(3, 12, 70, 1), (3, 12, 70, 2), (2, 20, 70, 3), (1, 16, 96, 3),
-         (2, 5, 33, None)]
-    ):  # fmt: skip
-        g = torch.Generator().manual_seed(trial)
-        q = torch.randn(tokens, heads + 3, S.QK_DIM, generator=g).bfloat16()
-        q = q[:, 1 : heads + 1]  # strided heads
-        idx = torch.randint(0, slots, (tokens, k), generator=g, dtype=torch.int32)
-        idx[:, ::5] = -1
-        idx[0, 1] = slots + 7  # past the cache: skipped
-        if tokens > 1:
-            idx[-1] = -1  # selects nothing
-        ref_out, ref_lse = S.sparse_mla_fp8_reference(q, cache, idx, scale)
-        out = torch.full_like(ref_out, 7.0)
-        lse = torch.full_like(ref_lse, 7.0)
-        n = splits or S.default_num_splits(tokens, heads, k, programs=8)
-        S._launch(q, cache, idx, scale, n, out, lse)
-        torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
-    print("interpreted kernels match")
-    """
-)
+cache, _ = packed_cache(blocks=4, block_size=32, gap=72, seed=3)
+slots = cache.shape[0] * cache.shape[1]
+scale = 1 / math.sqrt(192)
+for trial, (tokens, heads, k, splits) in enumerate(
+    [(3, 12, 70, 1), (3, 12, 70, 2), (2, 20, 70, 3), (1, 16, 96, 3), (2, 5, 33, None)]
+):
+    g = torch.Generator().manual_seed(trial)
+    q = torch.randn(tokens, heads + 3, S.QK_DIM, generator=g).bfloat16()
+    q = q[:, 1 : heads + 1]  # strided heads
+    idx = torch.randint(0, slots, (tokens, k), generator=g, dtype=torch.int32)
+    idx[:, ::5] = -1
+    idx[0, 1] = slots + 7  # past the cache: skipped
+    if tokens > 1:
+        idx[-1] = -1  # selects nothing
+    ref_out, ref_lse = S.sparse_mla_fp8_reference(q, cache, idx, scale)
+    out = torch.full_like(ref_out, 7.0)
+    lse = torch.full_like(ref_lse, 7.0)
+    n = splits or S.default_num_splits(tokens, heads, k, programs=8)
+    S._launch(q, cache, idx, scale, n, out, lse)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+print("interpreted kernels match")
+"""
 
 
 def test_triton_kernels_under_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
-    result = subprocess.run(
-        [sys.executable, "-c", INTERPRETED],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "interpreted kernels match" in result.stdout
+    assert "interpreted kernels match" in run_interpreted(INTERPRETED)

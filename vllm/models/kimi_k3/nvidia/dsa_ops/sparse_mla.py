@@ -32,9 +32,7 @@ _PROGRAMS_PER_SM = 2
 _MIN_SPLIT_KEYS = 128
 
 
-def _check_inputs(
-    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
-) -> None:
+def _check(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor) -> None:
     op = "sparse_mla_fp8"
     if q.dim() != 3 or q.dtype != torch.bfloat16 or q.shape[2] != QK_DIM:
         raise ValueError(
@@ -76,9 +74,11 @@ def _check_inputs(
             f"{op}: indices must be int32 [{tokens}, k > 0] with contiguous "
             f"rows, got {indices.dtype} {tuple(indices.shape)}"
         )
-    devices = {q.device, kv_cache.device, indices.device}
-    if len(devices) != 1:
-        raise ValueError(f"{op}: inputs are on different devices: {devices}")
+    if not q.device == kv_cache.device == indices.device:
+        raise ValueError(
+            f"{op}: q, kv_cache and indices must share a device, got {q.device}, "
+            f"{kv_cache.device} and {indices.device}"
+        )
 
 
 def dequantize_entries(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +103,7 @@ def sparse_mla_fp8_reference(
     roundings of the dequantized latent: ``out [T, H, 512]`` bf16 and the
     natural-log ``lse [T, H]`` (-inf, and a zero row, where a row selects
     nothing)."""
-    _check_inputs(q, kv_cache, indices)
+    _check(q, kv_cache, indices)
     flat = kv_cache.reshape(-1, DS_MLA_ENTRY_BYTES)
     valid = (indices >= 0) & (indices < flat.shape[0])
     latent, rope = dequantize_entries(flat[torch.where(valid, indices, 0).long()])
@@ -133,7 +133,7 @@ def sparse_mla_fp8(
     -1 and slots past the cache are skipped). Returns ``out [T, H, 512]``
     bf16 and ``lse [T, H]`` fp32 (natural log). CPU tensors take the torch
     path."""
-    _check_inputs(q, kv_cache, indices)
+    _check(q, kv_cache, indices)
     if runs_torch_path(q) or not HAS_TRITON:
         return sparse_mla_fp8_reference(q, kv_cache, indices, softmax_scale)
     tokens, heads, _ = q.shape
@@ -206,13 +206,6 @@ def _launch(
         split_len,
         softmax_scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         SINGLE=single,
-        NOPE=DS_MLA_NOPE_DIM,
-        ROPE=DS_MLA_ROPE_DIM,
-        TILE=DS_MLA_TILE,
-        SCALE_OFFSET=DS_MLA_SCALE_OFFSET,
-        ROPE_OFFSET=DS_MLA_ROPE_OFFSET,
-        BLOCK_H=_BLOCK_H,
-        BLOCK_N=_BLOCK_N,
         num_warps=8,
     )
     if not single:
@@ -223,13 +216,20 @@ def _launch(
             lse,
             num_splits,
             heads,
-            NOPE=DS_MLA_NOPE_DIM,
             SPLITS=triton.next_power_of_2(num_splits),
             num_warps=4,
         )
 
 
 if HAS_TRITON:
+    # The fp8_ds_mla entry and the tiling, as the kernels see them.
+    NOPE = tl.constexpr(DS_MLA_NOPE_DIM)
+    ROPE = tl.constexpr(DS_MLA_ROPE_DIM)
+    TILE = tl.constexpr(DS_MLA_TILE)
+    SCALE_OFFSET = tl.constexpr(DS_MLA_SCALE_OFFSET)
+    ROPE_OFFSET = tl.constexpr(DS_MLA_ROPE_OFFSET)
+    BLOCK_H = tl.constexpr(_BLOCK_H)
+    BLOCK_N = tl.constexpr(_BLOCK_N)
 
     @triton.jit
     def _split_kernel(
@@ -251,13 +251,6 @@ if HAS_TRITON:
         split_len,
         scale_log2,
         SINGLE: tl.constexpr,
-        NOPE: tl.constexpr,
-        ROPE: tl.constexpr,
-        TILE: tl.constexpr,
-        SCALE_OFFSET: tl.constexpr,
-        ROPE_OFFSET: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        BLOCK_N: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -340,7 +333,6 @@ if HAS_TRITON:
         lse_ptr,
         num_splits,
         num_heads,
-        NOPE: tl.constexpr,
         SPLITS: tl.constexpr,
     ):
         # The splits in index order: the same sum whatever ran first.
