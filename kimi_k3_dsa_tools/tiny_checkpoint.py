@@ -62,6 +62,17 @@ TINY_DSA_CONFIG: dict[str, Any] = {
     "index_topk_freq": 1,
 }
 
+# Kimi K3.1's MLA dimensions, which every tiny checkpoint keeps.
+KIMI_K31_MLA_DIMS: dict[str, Any] = {
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "mla_use_nope": True,
+    "mla_use_output_gate": True,
+}
+
 TINY_TEXT_CONFIG: dict[str, Any] = {
     "model_type": "kimi_linear",
     "architectures": ["KimiLinearForCausalLM"],
@@ -76,13 +87,7 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,
     "dtype": "bfloat16",
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "mla_use_nope": True,
-    "mla_use_output_gate": True,
+    **KIMI_K31_MLA_DIMS,
     "num_experts": 8,
     "num_experts_per_token": 2,
     "num_shared_experts": 1,
@@ -126,13 +131,7 @@ TINY_REAL_ATTENTION: dict[str, Any] = {
     "num_hidden_layers": 4,
     "num_attention_heads": 96,
     "num_key_value_heads": 96,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "mla_use_nope": True,
-    "mla_use_output_gate": True,
+    **KIMI_K31_MLA_DIMS,
     "max_position_embeddings": 4096,
     "intermediate_size": 512,
     "moe_intermediate_size": 512,

@@ -46,25 +46,17 @@ def test_fp8_ds_mla_is_656_bytes():
 def test_fp8_ds_mla_matches_the_layer_spec_not_the_hybrid_estimate():
     # What 0.33.0's MLAAttention.get_kv_cache_spec allocates (it passes
     # state_content_bytes=656) ...
-    layer_spec = MLAAttentionSpec(
-        block_size=64,
+    fp8_ds_mla = dict(
         num_kv_heads=1,
         head_size=576,
         dtype=torch.uint8,
         cache_dtype_str="fp8_ds_mla",
         kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
-        state_content_bytes=656,
     )
+    layer_spec = MLAAttentionSpec(block_size=64, state_content_bytes=656, **fp8_ds_mla)
     # ... and what its _align_hybrid_block_size estimates (no
     # state_content_bytes): the 80 B/token undercount our sizing must avoid.
-    estimate = MLAAttentionSpec(
-        block_size=1,
-        num_kv_heads=1,
-        head_size=576,
-        dtype=torch.uint8,
-        cache_dtype_str="fp8_ds_mla",
-        kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
-    )
+    estimate = MLAAttentionSpec(block_size=1, **fp8_ds_mla)
     assert layer_spec.page_size_bytes == 64 * 656
     assert estimate.page_size_bytes == 576
     assert mla_page_bytes_per_token("fp8_ds_mla", 512, 64) * 64 == (

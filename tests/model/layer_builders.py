@@ -93,3 +93,15 @@ def cpu_post_load(layer) -> None:
         if isinstance(module, LinearBase):
             module._cpu_skip_gemm_dispatch = True
             module.quant_method.process_weights_after_loading(module)
+
+
+def roped_indexer_layer(env):
+    """A post-loaded layer whose indexer ropes its leading 32 dims (RMSNorm
+    key norm; the MLA without nope, so that it has a rotary cache)."""
+    config = env.text_config(
+        mla_use_nope=False,
+        dsa_config=env.dsa_config(index_k_norm_type="rmsnorm", index_rope_dim=32),
+    )
+    layer = build(env, config)
+    cpu_post_load(layer)
+    return layer

@@ -57,28 +57,22 @@ def test_seams_apply_once_and_wire_the_upstream_classes() -> None:
     from vllm.plugins import kimi_k3_dsa
     from vllm.plugins.kimi_k3_dsa import dsa_layers, dsa_post_load, dsa_weights
 
+    def wrapped() -> tuple:
+        return (
+            model.KimiLinearModel.__init__,
+            model.KimiLinearModel.load_weights,
+            mtp.KimiK3MultiTokenPredictor.__init__,
+            mtp.KimiK3MTP.load_weights,
+            model.KimiLinearForCausalLM.process_weights_after_loading,
+            model.KimiK3ForConditionalGeneration.process_weights_after_loading,
+            mtp.KimiK3MTP.process_weights_after_loading,
+        )
+
     kimi_k3_dsa.register()
-    before = (
-        model.KimiLinearModel.__init__,
-        model.KimiLinearModel.load_weights,
-        mtp.KimiK3MultiTokenPredictor.__init__,
-        mtp.KimiK3MTP.load_weights,
-        model.KimiLinearForCausalLM.process_weights_after_loading,
-        model.KimiK3ForConditionalGeneration.process_weights_after_loading,
-        mtp.KimiK3MTP.process_weights_after_loading,
-    )
+    before = wrapped()
     for seam in (dsa_layers, dsa_weights, dsa_post_load):
         seam.apply()  # again: no second wrapper
-    after = (
-        model.KimiLinearModel.__init__,
-        model.KimiLinearModel.load_weights,
-        mtp.KimiK3MultiTokenPredictor.__init__,
-        mtp.KimiK3MTP.load_weights,
-        model.KimiLinearForCausalLM.process_weights_after_loading,
-        model.KimiK3ForConditionalGeneration.process_weights_after_loading,
-        mtp.KimiK3MTP.process_weights_after_loading,
-    )
-    assert before == after
+    assert wrapped() == before
     assert model.MultiHeadLatentAttention is dsa_layers.kimi_k3_attention_factory
     # The wrappers keep the upstream signatures visible (functools.wraps).
     import inspect

@@ -17,6 +17,7 @@ from layer_builders import (
     build_indexer,
     cpu_post_load,
     fill_random,
+    roped_indexer_layer,
 )
 
 import vllm.models.kimi_k3.nvidia.dsa as D
@@ -381,14 +382,7 @@ def test_indexer_forward_dummy_run_with_index_rope(dsa_layer_env, monkeypatch):
         return real_rope(self, index_q, index_k, positions, rotary_emb)
 
     monkeypatch.setattr(D.KimiK3DSAIndexer, "_apply_index_rope", apply_rope)
-    config = dsa_layer_env.text_config(
-        mla_use_nope=False,
-        dsa_config=dsa_layer_env.dsa_config(
-            index_k_norm_type="rmsnorm", index_rope_dim=32
-        ),
-    )
-    layer = build(dsa_layer_env, config)
-    cpu_post_load(layer)
+    layer = roped_indexer_layer(dsa_layer_env)
     indexer = layer.dsa_indexer
     assert not indexer.use_fused_k_insert
     positions = torch.arange(4)

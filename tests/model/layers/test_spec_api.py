@@ -13,7 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from layer_builders import build, build_indexer, cpu_post_load, fill_random
+from layer_builders import (
+    build,
+    build_indexer,
+    cpu_post_load,
+    fill_random,
+    roped_indexer_layer,
+)
 
 import vllm.models.kimi_k3.common.dsa_cache as dsa_cache
 import vllm.models.kimi_k3.nvidia.dsa as D
@@ -203,15 +209,7 @@ def test_indexer_builder_with_pcp_raises(monkeypatch):
 
 
 def test_indexer_rope_needs_positions(dsa_layer_env):
-    config = dsa_layer_env.text_config(
-        mla_use_nope=False,
-        dsa_config=dsa_layer_env.dsa_config(
-            index_k_norm_type="rmsnorm", index_rope_dim=32
-        ),
-    )
-    layer = build(dsa_layer_env, config)
-    cpu_post_load(layer)
-    indexer = layer.dsa_indexer
+    indexer = roped_indexer_layer(dsa_layer_env).dsa_indexer
     with pytest.raises(ValueError, match="requires positions"):
         indexer(torch.randn(2, 256), torch.randn(2, 1536))
 
