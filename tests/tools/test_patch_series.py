@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The generator of the upstream series (tools/make_patch_series.py): every
-file of ours lands in exactly one patch, each seam has its in-tree edit, and
-an edit whose anchor is not found exactly once stops it. The checks against
+"""The generator of the upstream series (tools/make_patch_series.py): the
+series is cut by feature, every file of ours lands in exactly one patch,
+each seam's edits are taken once, and an edit whose anchor is not found
+exactly once stops it. The checks against
 vLLM's source need the extracted v0.33.0 sdist (``KIMI_K3_DSA_VLLM_SRC`` or
 ``build/patch_series/vllm-0.33.0``) and skip without it."""
 
@@ -37,21 +38,31 @@ def _vllm_src() -> Path:
 
 
 def test_unassigned_or_doubly_assigned_file_is_named() -> None:
-    groups = (
-        series.Group("a", "A", "", ("vllm/x/*.py",)),
-        series.Group("b", "B", "", ("vllm/x/b*.py", "vllm/y/**")),
-    )
+    groups = {
+        "a": series.Group(("vllm/x/*.py",)),
+        "b": series.Group(("vllm/x/b*.py", "vllm/y/**"), ("vllm/y/skip.py",)),
+    }
     assert series._assign(["vllm/x/a.py", "vllm/y/z/c.py"], groups) == {
         "a": ["vllm/x/a.py"],
         "b": ["vllm/y/z/c.py"],
     }
     with pytest.raises(series.SeriesError) as err:
-        series._assign(["vllm/x/b.py", "vllm/z.py", "vllm/x/sub/a.py"], groups)
+        series._assign(
+            ["vllm/x/b.py", "vllm/z.py", "vllm/x/sub/a.py", "vllm/y/skip.py"], groups
+        )
     message = str(err.value)
-    assert "vllm/x/b.py: matched by several groups ['a', 'b']" in message
-    assert "vllm/z.py: matched by no group" in message
-    # '*' stays within a folder.
-    assert "vllm/x/sub/a.py: matched by no group" in message
+    assert "vllm/x/b.py: matched by several features ['a', 'b']" in message
+    assert "vllm/z.py: matched by no feature" in message
+    # '*' stays within a folder; an exclude removes a match.
+    assert "vllm/x/sub/a.py: matched by no feature" in message
+    assert "vllm/y/skip.py: matched by no feature" in message
+    # Tests and benchmarks go to the first feature that claims them.
+    assert series._first_claim(["vllm/x/b.py"], groups) == {
+        "a": ["vllm/x/b.py"],
+        "b": [],
+    }
+    with pytest.raises(series.SeriesError, match="no feature claims"):
+        series._first_claim(["vllm/z.py"], groups)
 
 
 def test_anchor_must_occur_exactly_once() -> None:
@@ -119,7 +130,7 @@ def test_series_generic_edits_import_no_model_code() -> None:
     assert any(e.path.startswith("vllm/model_executor/") for e in generic)
     for edit in generic:
         assert series.MODELS_PACKAGE not in edit.replacement, edit.path
-    (post_load,) = (p for p in patches if p.slug == "seam-dsa_post_load")
+    (post_load,) = (p for p in patches if p.slug == "model")
     loader = "vllm/model_executor/model_loader/default_loader.py"
     (hook,) = (e for e in post_load.edits if e.path == loader)
     assert 'getattr(model, "check_weights_not_loaded", None)' in hook.replacement
@@ -140,12 +151,16 @@ def test_series_generic_edits_import_no_model_code() -> None:
 
 def test_every_file_of_ours_in_exactly_one_patch() -> None:
     patches = series.build_series(ROOT)
-    names = series.seam_names(ROOT)
-    seams = [p for p in patches if p.slug.startswith("seam-")]
-    assert [p.slug for p in seams] == [f"seam-{n}" for n in names]
-    for patch in seams:
-        assert patch.edits and not patch.files
-        assert "<<" not in "".join(e.replacement + e.anchor for e in patch.edits)
+    assert [p.slug for p in patches] == [f.slug for f in series.FEATURES]
+    assert "<<" not in "".join(
+        e.replacement + e.anchor for p in patches for e in p.edits
+    )
+    # Every seam's every edit is in exactly one patch, the seams' order kept.
+    edits = series._seam_edits(ROOT)
+    taken = [e for p in patches for e in p.edits]
+    for seam_edits in edits.values():
+        for edit in seam_edits:
+            assert taken.count(edit) == 1, edit.path
     added = [path for p in patches for path in p.files]
     assert len(added) == len(set(added))
     assert not any(path.startswith(series.PLUGIN_DIR) for path in added)
@@ -158,17 +173,42 @@ def test_every_file_of_ours_in_exactly_one_patch() -> None:
         and not series._is_build_output(f)
     ]
     assert set(ours) <= set(added)
-    # The development tools travel with the tests, not as vLLM modules, and
-    # the series declares no console scripts of them.
-    (tests_patch,) = [p for p in patches if p.slug == "tests"]
+    # The development tools travel with the tests of the model patch, and the
+    # series declares no console scripts of them.
+    (model,) = [p for p in patches if p.slug == "model"]
     tools = [f for f in files if f.startswith("kimi_k3_dsa_tools/")]
     assert "kimi_k3_dsa_tools/tiny_checkpoint.py" in tools
-    assert {series.upstream_tool_path(f) for f in tools} <= set(tests_patch.files)
+    assert {series.upstream_tool_path(f) for f in tools} <= set(model.files)
     assert not any("kimi_k3_dsa_tools" in a for a in added if a.startswith("vllm/"))
     assert not any(e.path == "pyproject.toml" for p in patches for e in p.edits)
     overlay_only = series.overlay_only_modules(ROOT, files)
     assert "tests/config/test_plugin.py" in overlay_only
     assert not any(series.upstream_test_path(t) in added for t in overlay_only)
+    # This repository's tooling tests stay out; a patch's tests are its own.
+    assert not any("/tools/test_" in a or "/style/" in a for a in added)
+    for patch in patches:
+        assert {series.upstream_test_path(t) for t in patch.tests} <= set(patch.files)
+
+
+def test_patches_are_features_in_upstreams_form() -> None:
+    """Each patch: a subject of at most 72 characters with its tag, a body
+    that says what it tests, no words of the overlay; the generic engine
+    patch touches generic code only, and the kernels come before the model
+    that calls them."""
+    patches = series.build_series(ROOT)
+    for patch in patches:
+        assert len(patch.subject) <= 72 and patch.subject.startswith("["), patch.slug
+        body = patch.message.split("New files:")[0].lower()
+        for word in ("overlay", "plugin", "seam"):
+            assert word not in body, (patch.slug, word)
+        assert "tested: pytest" in body, patch.slug
+        assert patch.tests, patch.slug
+    (pages,) = [p for p in patches if p.slug == "kernel-pages"]
+    assert all(series.is_generic_code(e.path) for e in pages.edits)
+    assert all(not f.startswith("vllm/models/") for f in pages.files)
+    order = [p.slug for p in patches]
+    assert order.index("kernels") < order.index("model")
+    assert order.index("low-latency-gemm") < order.index("model")
 
 
 def test_series_applies_to_vllm_and_is_deterministic(tmp_path: Path) -> None:

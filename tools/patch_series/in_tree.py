@@ -6,6 +6,7 @@ repository's CPU suite run against that.
 
     python tools/patch_series/in_tree.py snapshot   # before `pip install .`
     python tools/patch_series/in_tree.py run [--fetch | --vllm-src DIR]
+    python tools/patch_series/in_tree.py each-patch [--fetch | --vllm-src DIR]
     python tools/patch_series/in_tree.py gpu-kit [--fetch | --vllm-src DIR]
 
 ``snapshot`` hard-links the files of the installed vLLM wheel (its
@@ -47,6 +48,7 @@ from patch_series.fetch import DEFAULT_DIR, ROOT, fetch_sdist
 from patch_series.generate import write_series
 from patch_series.series import (
     OVERLAY_ONLY_MARKER,
+    build_series,
     overlay_only_modules,
     repository_files,
 )
@@ -217,7 +219,12 @@ def write_gpu_kit(
 
 
 def lay_over(
-    pristine: Path, tree: Path, changed: set[str], vllm_src: Path, dest: Path
+    pristine: Path,
+    tree: Path,
+    changed: set[str],
+    vllm_src: Path,
+    dest: Path,
+    with_extension: bool = True,
 ) -> Path:
     """``dest/vllm``: the pristine package with the series' Python-side files
     (under ``vllm/``) from the patched tree."""
@@ -225,7 +232,9 @@ def lay_over(
     _fresh_copy(pristine, package)
     for path in python_side(pristine, changed, vllm_src):
         _replace(tree / path, dest / path)
-    extension = sorted(installed_vllm().glob("_kimi_k3_C*.so"))
+    extension = (
+        sorted(installed_vllm().glob("_kimi_k3_C*.so")) if with_extension else []
+    )
     for so in extension:
         # The kernels the overlay built from csrc/ stand for the target the
         # series adds to vLLM's CMake build (same sources).
@@ -237,9 +246,15 @@ def lay_over(
     return package
 
 
-def run_tests(dest: Path, pytest_args: list[str]) -> int:
+def run_tests(
+    dest: Path, pytest_args: list[str], targets: list[str] | None = None
+) -> int:
+    """pytest in-tree on ``targets`` (default: the whole suite; a part of
+    the series when given)."""
     ignored = overlay_only_modules(ROOT, repository_files(ROOT))
     env = dict(os.environ)
+    if targets is not None:
+        env["KIMI_K3_DSA_IN_TREE_PREFIX"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(
         [str(dest), str(ROOT / "tools"), env.get("PYTHONPATH", "")]
     ).rstrip(os.pathsep)
@@ -255,12 +270,46 @@ def run_tests(dest: Path, pytest_args: list[str]) -> int:
         f"not gpu and not {OVERLAY_ONLY_MARKER}",
         *[f"--ignore={m}" for m in ignored],
         *pytest_args,
-        "tests",
+        *(targets if targets is not None else ["tests"]),
     ]
     _log("not collected (overlay-only modules): " + (", ".join(ignored) or "none"))
     _log(f"VLLM_PLUGINS={env['VLLM_PLUGINS']}")
     _log(" ".join(cmd))
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode
+
+
+def run_each_patch(
+    pristine: Path, vllm_src: Path, files: list[Path], pytest_args: list[str]
+) -> int:
+    """Each prefix of the series applied and laid over, and the tests its
+    patches add run against it. A prefix after which no patch changes code
+    (only tests and benchmarks follow) is the whole series' run."""
+    patches = build_series(ROOT)
+    if len(patches) != len(files):
+        raise SystemExit(f"{len(files)} patch files for {len(patches)} patches")
+    code = [
+        any(not f.startswith(("tests/", "benchmarks/")) for f in p.files) or p.edits
+        for p in patches
+    ]
+    status = 0
+    for k in range(1, len(patches)):
+        if not any(code[k:]):
+            break
+        start = time.monotonic()
+        tree, dest = DEFAULT_DIR / "prefix_applied", DEFAULT_DIR / "prefix_in_tree"
+        changed = apply_series(files[:k], vllm_src, tree)
+        with_kernels = any(p.slug == "kernels" for p in patches[:k])
+        lay_over(pristine, tree, changed, vllm_src, dest, with_extension=with_kernels)
+        tests = [
+            t for p in patches[:k] for t in p.tests if Path(t).name.startswith("test_")
+        ]
+        result = run_tests(dest, pytest_args, targets=tests)
+        _log(
+            f"patches 1-{k} ({patches[k - 1].slug}): {len(tests)} test files, "
+            f"pytest exit {result}, {time.monotonic() - start:.0f} s"
+        )
+        status = status or result
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,6 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--fetch", action="store_true", help="download the sdist")
     run.add_argument("--pristine", type=Path, default=PRISTINE / "vllm")
     run.add_argument("pytest_args", nargs="*", help="extra pytest arguments")
+    each = sub.add_parser(
+        "each-patch",
+        help="apply each prefix of the series and run the tests it has added",
+    )
+    each.add_argument("--vllm-src", type=Path, help="extracted vLLM 0.33.0 sdist")
+    each.add_argument("--fetch", action="store_true", help="download the sdist")
+    each.add_argument("--pristine", type=Path, default=PRISTINE / "vllm")
+    each.add_argument("pytest_args", nargs="*", help="extra pytest arguments")
     kit = sub.add_parser("gpu-kit", help="generate, apply, write the GPU kit")
     kit.add_argument("--vllm-src", type=Path, help="extracted vLLM 0.33.0 sdist")
     kit.add_argument("--fetch", action="store_true", help="download the sdist")
@@ -290,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.pristine} missing: run `snapshot` first")
     patches = write_series(ROOT, vllm_src, DEFAULT_DIR / "patches", DEFAULT_DIR / "git")
     _log(f"{len(patches)} patches generated in {DEFAULT_DIR / 'patches'}")
+    if args.command == "each-patch":
+        return run_each_patch(args.pristine, vllm_src, patches, args.pytest_args)
     changed = apply_series(patches, vllm_src, DEFAULT_DIR / "applied")
     if args.command == "gpu-kit":
         write_gpu_kit(

@@ -2,12 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the series is made of, in order, derived from the repository.
 
-Every file of ours lands in exactly one patch: the files under ``vllm/`` (the
-plugin excepted) by the glob groups below, the kernels, the tests and the
-benchmarks by their folder. A file that no group claims, or that two claim,
-stops the generator with its name: a new module has to be placed in the
-series on purpose. Each plugin seam becomes the patch of its in-tree edit
-(:mod:`patch_series.seams`), with the seam's docstring as the message.
+The series is cut by feature (:data:`FEATURES`): each patch brings a
+capability with the edits of upstream files that wire it in, its tests and
+its benchmarks, and each passes the in-tree tests that exist once it and
+the patches before it are applied (``in_tree.py run --each-patch``). Every
+file of ours lands in exactly one patch: a file that no feature claims, or
+that two claim, stops the generator with its name, so a new module is
+placed in the series on purpose. The in-tree edits are the plugin seams'
+(:mod:`patch_series.seams`); a seam's edits may be split between features
+by the files they edit.
 """
 
 from __future__ import annotations
@@ -54,16 +57,34 @@ class SeriesError(RuntimeError):
 
 @dataclass(frozen=True)
 class Group:
-    """New files of one patch: repository paths matching ``patterns``
-    (``*`` stays within a folder, ``**`` crosses folders)."""
+    """Repository paths matching ``patterns`` and none of ``excludes`` (``*``
+    stays within a folder, ``**`` crosses folders)."""
+
+    patterns: tuple[str, ...]
+    excludes: tuple[str, ...] = ()
+
+    def matches(self, path: str) -> bool:
+        def any_of(globs: tuple[str, ...]) -> bool:
+            return any(series_glob(g).fullmatch(path) for g in globs)
+
+        return any_of(self.patterns) and not any_of(self.excludes)
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One patch: its message, the files it adds (``vllm/`` modules, tests,
+    benchmarks, the development tools the tests use, the kernels' sources)
+    and the seams' edits it takes (seam -> glob of the edited files)."""
 
     slug: str
     subject: str
     body: str
-    patterns: tuple[str, ...]
-
-    def matches(self, path: str) -> bool:
-        return any(series_glob(p).fullmatch(path) for p in self.patterns)
+    modules: Group = Group(())
+    edits: tuple[tuple[str, str], ...] = ()
+    tests: Group = Group(())
+    benchmarks: Group = Group(())
+    tools: bool = False
+    kernels: bool = False
 
 
 @dataclass
@@ -76,136 +97,154 @@ class Patch:
     body: str
     files: dict[str, tuple[bytes, int]] = field(default_factory=dict)
     edits: tuple[Edit, ...] = ()
+    # The repository's test files the patch adds (the in-tree run's scope).
+    tests: tuple[str, ...] = ()
 
     @property
     def message(self) -> str:
         return f"{self.subject}\n\n{self.body.strip()}\n"
 
 
-MODULE_GROUPS: tuple[Group, ...] = (
-    Group(
-        "ops",
-        "[Kernel] Kimi K3.1 DSA: python entry points and torch references of the "
-        "DSA kernels",
-        "The kernels' python side, beside upstream's own nvidia/ops/: each entry\n"
-        "point calls torch.ops._kimi_k3_C when the extension is built and has a\n"
-        "pure-torch reference that defines its exact semantics, byte for byte\n"
-        "(the fp8_ds_mla and indexer cache formats). The numbers those formats\n"
-        "and the kernels fix live in one standard-library module,\n"
-        "common/dsa_formats.py, which the config rules and the cache arithmetic\n"
-        "import too. Imports torch, that module and the extension only, so the\n"
-        "kernels' tests run without the rest of vLLM.",
-        (f"{_K3}/nvidia/dsa_ops/**", f"{_K3}/common/dsa_formats.py"),
-    ),
-    Group(
-        "config",
-        "[Model] Kimi K3.1 DSA: the dsa_config and its rules",
-        "The parsed dsa_config of a Kimi K3.1 checkpoint (KimiLinearDSAConfig,\n"
-        "KimiK3DSAConfig) and the model's rules (dsa_config), the rules of an\n"
-        "engine configuration and the config verifier (dsa_verify), the\n"
-        "VLLM_KIMI_K3_DSA_* switches (dsa_envs) and what an accepted\n"
-        "configuration resolves to (dsa_settings), which the layers, the caches\n"
-        "and the KV plan CLI read. Nothing reads it yet; the seams later in this\n"
-        "series wire it in.",
-        (
-            f"{_K3}/common/dsa_config*.py",
-            f"{_K3}/common/dsa_envs*.py",
-            f"{_K3}/common/dsa_settings*.py",
-            f"{_K3}/common/dsa_verify*.py",
-        ),
-    ),
-    Group(
-        "kernel_pages",
-        "[Core] Kernel pages of packed token caches: page views and slots",
-        "Generic helpers of the engine, for any model: the strided kernel-page\n"
-        "view of one cache of a packed (block-outermost) KV cache, the slots\n"
-        "that address those pages, the attention-backend capability that says\n"
-        "who puts a split token cache's writes at kernel-page slots, and the\n"
-        "runners' slot mappings in kernel pages (Model Runner V2 and V1).\n"
-        "Nothing calls them yet; the kernel_block_split and mla_page_slots\n"
-        "patches later in this series wire them into the runners.",
-        (GENERIC_ENGINE_MODULE,),
-    ),
-    Group(
-        "cache",
-        "[Model] Kimi K3.1 DSA: indexer cache and packed block size",
-        "The indexer key cache and its metadata builder, the FlashMLA sparse\n"
-        "backend of the DSA layers (which declare that they write their split\n"
-        "caches at kernel-page slots) and the byte arithmetic of the packed\n"
-        "block row (MLA + indexer + draft pages per token, its KDA states).",
-        (
-            f"{_K3}/common/dsa_cache*.py",
-            f"{_K3}/common/dsa_block_size*.py",
-        ),
-    ),
-    Group(
-        "layers",
-        "[Model] Kimi K3.1 DSA: attention layers, model state and weight routing",
-        "KimiK3DSAAttention (sparse MLA over the lightning indexer's top-k),\n"
-        "its indexer, the model-level top-k buffer and index-group builder the\n"
-        "layers share, and the routing of the checkpoint's indexer tensors.\n"
-        "Kimi K3's decoder does not build them yet (see the dsa_layers patch).",
-        (f"{_K3}/nvidia/dsa*.py",),
-    ),
-    Group(
-        "kda-grid",
-        "[Model] Kimi K3: refuse a max_num_seqs the Triton KDA decode cannot launch",
-        "The Triton KDA decode (fused_recurrent_kda_packed_decode), which Kimi\n"
-        "K3's KDA layer falls back to where the native fused decode does not\n"
-        "apply, launches decode requests x KDA heads per rank on CUDA's grid y\n"
-        "(at most 65535). check_kda_decode_grid refuses a larger max_num_seqs\n"
-        "when resolve_kda_decode_backend would pick that path; the config\n"
-        "verifier patch later in this series calls it.",
-        (f"{_K3}/nvidia/kda_decode_grid.py",),
-    ),
-)
+_ALL = "**"
 
-KERNELS = Group(
-    "kernels",
-    "[Kernel] Kimi K3.1 DSA: the _kimi_k3_C extension (SM90a, SM100a)",
-    "The CUDA kernels of the DSA layers: the indexer key insert (LayerNorm,\n"
-    "fp8 or MXFP4 quantization, cache write, top-k fill) and the fused DSA\n"
-    "prologue (q/kv norms, fp8_ds_mla and indexer cache writes in one launch).\n"
-    "They build into their own extension, vllm._kimi_k3_C (ops in\n"
-    "torch.ops._kimi_k3_C), for SM90a and SM100a only, defined in\n"
-    "cmake/kimi_k3_dsa.cmake and listed (optional) in setup.py. Without it the\n"
-    "DSA layers serve with upstream ops only.",
-    ("csrc/**",),
+FEATURES: tuple[Feature, ...] = (
+    Feature(
+        "kernel-pages",
+        "[Core] Kernel pages of packed token caches",
+        "A KV cache group whose layers keep several caches in one block row\n"
+        "(block-outermost) needs each cache read as pages of the size its\n"
+        "kernels take, while the block manager hands out whole blocks. This\n"
+        "adds the generic pieces, for any model: the strided page view of one\n"
+        "cache of such a row, the slots that address those pages, and an\n"
+        "attention-backend capability, token_cache_kernel_page_slots (None,\n"
+        '"builder", "runner"), that says who moves a split cache\'s writes to\n'
+        "page slots. map_kv_cache_to_kernel_blocks splits a cache whose\n"
+        "backend declares it, and Model Runner V2 (block tables, model runner)\n"
+        'and V1 remap the slot mappings of groups whose backend says "runner",\n'
+        "in persistent buffers that CUDA graphs read. Nothing changes for a\n"
+        "backend that declares nothing.",
+        modules=Group(("vllm/v1/worker/kernel_pages.py",)),
+        edits=(("kernel_block_split", _ALL), ("mla_page_slots", _ALL)),
+        tests=Group(("tests/cache/test_kernel_pages.py",)),
+    ),
+    Feature(
+        "kernels",
+        "[Kernel] Kimi K3.1 DSA: cache writers, indexer ops and sparse MLA",
+        "The kernels of Kimi K3.1's DSA layers, each with a pure-torch\n"
+        "reference that fixes its semantics byte for byte: the fused prologue\n"
+        "(q/kv norms, the fp8_ds_mla and indexer cache writes in one launch)\n"
+        "and the indexer key insert (LayerNorm, fp8 or MXFP4 quantization,\n"
+        "cache write) in CUDA, built as vllm._kimi_k3_C for SM90a and SM10x\n"
+        "(cmake/kimi_k3_dsa.cmake, optional in setup.py); the indexer's query\n"
+        "quantization, rope and canonical top-k, and sparse MLA at few heads,\n"
+        "in Triton. The numbers the cache formats fix live in one\n"
+        "standard-library module, common/dsa_formats.py. The ops layer imports\n"
+        "torch, Triton and the extension only; nothing calls it until the\n"
+        "model patch.",
+        modules=Group((f"{_K3}/nvidia/dsa_ops/**", f"{_K3}/common/dsa_formats.py")),
+        tests=Group(
+            ("tests/kernels/**", "tests/benchmarks/test_bench_sparse_mla.py"),
+            ("tests/kernels/test_low_latency_linear_gpu.py",),
+        ),
+        benchmarks=Group(
+            ("benchmarks/kernels/**",), ("benchmarks/kernels/bench_packed_gemm.py",)
+        ),
+        kernels=True,
+    ),
+    Feature(
+        "low-latency-gemm",
+        "[Perf] Kimi K3.1 DSA: low-latency GEMMs of the packed projections",
+        "The DSA layer's packed projections at decode token counts, where\n"
+        "cuBLAS leaves most of the weight-read bound: vLLM's CuTe DSL skinny\n"
+        "GEMM with configs measured on the packed shapes (cuBLAS otherwise).",
+        modules=Group((f"{_K3}/nvidia/dsa_low_latency.py",)),
+        tests=Group(
+            (
+                "tests/kernels/test_low_latency_linear_gpu.py",
+                "tests/benchmarks/test_bench_packed_gemm.py",
+            )
+        ),
+        benchmarks=Group(("benchmarks/kernels/bench_packed_gemm.py",)),
+    ),
+    Feature(
+        "model",
+        "[Model] Kimi K3.1: DeepSeek sparse attention (DSA)",
+        "Kimi K3.1 checkpoints carry a dsa_config: each full-attention layer\n"
+        "attends to the lightning indexer's top-k tokens (sparse MLA over an\n"
+        "fp8_ds_mla cache) instead of all of them. This adds the config and\n"
+        "its rules, refused with the field and the accepted values before any\n"
+        "cache is allocated; the indexer key cache and its metadata; the\n"
+        "packed block row that holds the MLA and indexer pages (and a dense\n"
+        "MLA draft's) beside the KDA states, sized by a hook any hybrid model\n"
+        "class may implement (get_hybrid_block_size); KimiK3DSAAttention, its\n"
+        "indexer and the fused forward; the weight routing, and a loader hook\n"
+        "(check_weights_not_loaded) through which a model names a missing\n"
+        "tensor. Edits of upstream files:\n"
+        "{edits}\n\n"
+        "The tiny checkpoints the tests build come from kimi_k3_dsa_tools/\n"
+        "beside the tests (kimi-k3-dsa-tiny-checkpoint, kimi-k3-dsa-kv-plan).",
+        modules=Group(
+            (
+                f"{_K3}/common/dsa_config*.py",
+                f"{_K3}/common/dsa_envs*.py",
+                f"{_K3}/common/dsa_settings*.py",
+                f"{_K3}/common/dsa_verify*.py",
+                f"{_K3}/common/dsa_cache*.py",
+                f"{_K3}/common/dsa_block_size*.py",
+                f"{_K3}/nvidia/dsa*.py",
+                f"{_K3}/nvidia/kda_decode_grid.py",
+            ),
+            (f"{_K3}/nvidia/dsa_low_latency.py",),
+        ),
+        edits=(
+            ("hf_config", _ALL),
+            ("envs", _ALL),
+            ("config_verifier", _ALL),
+            ("block_size", _ALL),
+            ("dsa_layers", _ALL),
+            ("dsa_weights", _ALL),
+            ("dsa_post_load", _ALL),
+            ("splitting_ops", _ALL),
+        ),
+        tests=Group(("tests/**",), ("tests/benchmarks/**",)),
+        tools=True,
+    ),
+    Feature(
+        "benchmarks",
+        "[Perf] Kimi K3.1 DSA: layer, end-to-end and fidelity benchmarks",
+        "One DSA layer (fused, wrapper) against vLLM's DeepSeek V3.2 layer and\n"
+        "dense MLA; end to end through vllm.LLM and vllm bench latency on\n"
+        "tiny checkpoints with the real attention dimensions; the top-k recall\n"
+        "and layer error of the indexer key formats.",
+        tests=Group(("tests/benchmarks/**",)),
+        benchmarks=Group(("benchmarks/**",)),
+    ),
 )
-TESTS = Group(
-    "tests",
-    "[Test] Kimi K3.1 DSA: CPU and GPU tests",
-    "The CPU suite (config rules, cache bytes and block sizes on vLLM's own\n"
-    "planner, layer construction and forward on the CPU, weight loading, the\n"
-    "KV plan and the tiny checkpoint) and the GPU tests of the kernels and of\n"
-    "serving. The tiny-checkpoint generator the fixtures build checkpoints\n"
-    "with, and the KV plan, come along as kimi_k3_dsa_tools/ beside the tests\n"
-    "(imported as the tests' other helpers are; not shipped in vllm/).\n"
-    "Run the CPU part with: pytest -m 'not gpu' tests/models/kimi_k3/dsa",
-    ("tests/**",),
-)
-# The overlay's development tools (KV plan, tiny checkpoint), a top-level
-# package of the overlay's distribution: vLLM never imports them, so in
-# vLLM's tree they travel with the tests that use them (upstream_tool_path).
-TOOLS = Group("tools", "", "", ("kimi_k3_dsa_tools/**",))
-BENCHMARKS = Group(
-    "benchmarks",
-    "[Perf] Kimi K3.1 DSA: kernel, layer and fidelity benchmarks",
-    "The DSA kernels against vLLM's own Triton prologue for DeepSeek V3.2, one\n"
-    "DSA layer (fused, wrapper) against vLLM's DeepSeek V3.2 layer, and the\n"
-    "top-k recall / layer error of the indexer key formats.",
-    ("benchmarks/**",),
-)
+# The development tools (tiny checkpoint, KV plan): in vLLM's tree they
+# travel with the tests that use them (upstream_tool_path).
+TOOLS = Group(("kimi_k3_dsa_tools/**",))
+KERNEL_SOURCES = Group(("csrc/**",))
 # Dated run records (logs, raw JSON) stay in this repository; vLLM's tree
 # takes the benchmark scripts only.
 NOT_UPSTREAM = ("benchmarks/results/**",)
+# Tests of this repository's own tooling (the series generator, the GPU
+# runner, the prose rule): they stay here, and run in both modes.
+NOT_UPSTREAM_TESTS = ("tests/tools/**", "tests/style/**")
+
+
+# Tests of generic engine code, beside upstream's tests of that code.
+GENERIC_TESTS = {
+    "tests/cache/test_kernel_pages.py": "tests/v1/worker/test_kernel_pages.py"
+}
 
 
 def upstream_test_path(path: str) -> str:
-    """Where a test of ours sits in vLLM's tests/ layout: the kernels'
-    tests under tests/kernels/kimi_k3_dsa/, everything else (conftests and
-    helpers included, so fixtures resolve as here) under
-    tests/models/kimi_k3/dsa/."""
+    """Where a test of ours sits in vLLM's tests/ layout: the generic ones
+    (:data:`GENERIC_TESTS`) beside upstream's, the kernels' tests under
+    tests/kernels/kimi_k3_dsa/, everything else (conftests and helpers
+    included, so fixtures resolve as here) under tests/models/kimi_k3/dsa/."""
+    if path in GENERIC_TESTS:
+        return GENERIC_TESTS[path]
     rel = PurePosixPath(path).relative_to("tests")
     if rel.parts[0] == "kernels":
         return str(PurePosixPath("tests/kernels/kimi_k3_dsa", *rel.parts[1:]))
@@ -370,22 +409,40 @@ def resolve_modules(edits: Iterable[Edit], imports: dict[str, str], seam: str):
     )
 
 
-def _assign(files: Iterable[str], groups: tuple[Group, ...]) -> dict[str, list[str]]:
-    """Group slug -> its files; every file in exactly one group."""
-    assigned: dict[str, list[str]] = {g.slug: [] for g in groups}
+def _assign(files: Iterable[str], groups: dict[str, Group]) -> dict[str, list[str]]:
+    """Feature slug -> its files; every file in exactly one feature."""
+    assigned: dict[str, list[str]] = {slug: [] for slug in groups}
     problems = []
     for path in files:
-        owners = [g.slug for g in groups if g.matches(path)]
+        owners = [slug for slug, group in groups.items() if group.matches(path)]
         if len(owners) != 1:
-            what = "no group" if not owners else f"several groups {owners}"
+            what = "no feature" if not owners else f"several features {owners}"
             problems.append(f"  {path}: matched by {what}")
             continue
         assigned[owners[0]].append(path)
     if problems:
         raise SeriesError(
-            "every file of ours must land in exactly one patch; fix the groups in "
+            "every file of ours must land in exactly one patch; fix FEATURES in "
             "tools/patch_series/series.py:\n" + "\n".join(problems)
         )
+    return assigned
+
+
+def _first_claim(
+    files: Iterable[str], groups: dict[str, Group]
+) -> dict[str, list[str]]:
+    """Feature slug -> the files it is the first in order to claim (tests and
+    benchmarks, placed by folder); a file none claims stops the generator."""
+    assigned: dict[str, list[str]] = {slug: [] for slug in groups}
+    unclaimed = []
+    for path in files:
+        owner = next((s for s, g in groups.items() if g.matches(path)), None)
+        if owner is None:
+            unclaimed.append(path)
+        else:
+            assigned[owner].append(path)
+    if unclaimed:
+        raise SeriesError(f"no feature claims {unclaimed}")
     return assigned
 
 
@@ -421,26 +478,94 @@ def build_series(root: Path) -> list[Patch]:
     ours = [
         f for f in files if f.startswith("vllm/") and not f.startswith(f"{PLUGIN_DIR}/")
     ]
-    by_group = _assign(ours, MODULE_GROUPS)
-    patches: list[Patch] = []
+    modules = _assign(ours, {f.slug: f.modules for f in FEATURES})
+    overlay_only = set(overlay_only_modules(root, files))
+    tests = _first_claim(
+        [
+            f
+            for f in files
+            if f.startswith("tests/")
+            and f not in overlay_only
+            and not any(series_glob(p).fullmatch(f) for p in NOT_UPSTREAM_TESTS)
+        ],
+        {f.slug: f.tests for f in FEATURES},
+    )
+    benches = _first_claim(
+        [
+            f
+            for f in files
+            if f.startswith("benchmarks/")
+            and not any(series_glob(p).fullmatch(f) for p in NOT_UPSTREAM)
+        ],
+        {f.slug: f.benchmarks for f in FEATURES},
+    )
+    edits = _seam_edits(root)
+    claimed = {(seam, i) for seam, i, _ in _claimed_edits(edits)}
+    missing = [
+        f"{seam}: {e.path}"
+        for seam, seam_edits in edits.items()
+        for i, e in enumerate(seam_edits)
+        if (seam, i) not in claimed
+    ]
+    if missing:
+        raise SeriesError("edits no feature takes: " + ", ".join(missing))
 
-    def new_files_patch(group: Group, paths: list[str], dest: dict[str, str]) -> Patch:
-        if not paths:
-            raise SeriesError(f"group {group.slug!r} matches no file")
-        body = f"{group.body}\n\nNew files:\n{_module_summary(root, paths, dest)}"
-        return Patch(
-            group.slug,
-            group.subject,
-            body,
-            files={dest[p]: _read(root, p) for p in paths},
+    patches = []
+    for feature in FEATURES:
+        dest = {p: p for p in modules[feature.slug] + benches[feature.slug]}
+        dest.update({p: upstream_test_path(p) for p in tests[feature.slug]})
+        if feature.tools:
+            dest.update({p: upstream_tool_path(p) for p in files if TOOLS.matches(p)})
+        if feature.kernels:
+            dest.update(
+                {p: upstream_csrc_path(p) for p in files if KERNEL_SOURCES.matches(p)}
+            )
+        if not dest:
+            raise SeriesError(f"feature {feature.slug!r} adds no file")
+        taken = [e for seam, _, e in _claimed_edits(edits, feature)]
+        body = feature.body.replace("{edits}", _edit_summary(root, feature, edits))
+        listed = sorted(p for p in dest if dest[p].startswith(("vllm/", "csrc/")))
+        summary = _module_summary(root, listed, dest)
+        if len(dest) > len(listed):
+            others = len(dest) - len(listed)
+            summary = f"{summary}\n- {others} test, tool and benchmark files".strip()
+        folders = _top_folders(
+            PurePosixPath(dest[t]).parent for t in tests[feature.slug]
         )
+        tested = (
+            "Tested: pytest -m 'not gpu' (CPU, vLLM's own classes) and -m gpu (one\n"
+            f"H200) on {', '.join(folders)}."
+            if folders
+            else ""
+        )
+        patch = Patch(
+            feature.slug,
+            feature.subject,
+            f"{body}\n\n{tested}\n\nNew files:\n{summary}".replace("\n\n\n", "\n\n"),
+            files={dest[p]: _read(root, p) for p in sorted(dest)},
+            edits=tuple(taken),
+            tests=tuple(tests[feature.slug]),
+        )
+        if feature.kernels:
+            sources = [dest[p] for p in sorted(dest) if KERNEL_SOURCES.matches(p)]
+            module = build_edits.cmake_module(sources)
+            patch.files[build_edits.CMAKE_MODULE] = (module.encode(), 0o100644)
+            patch.edits = build_edits.kernel_edits() + patch.edits
+        patches.append(patch)
+    return patches
 
-    for group in MODULE_GROUPS:
-        paths = by_group[group.slug]
-        patches.append(new_files_patch(group, paths, {p: p for p in paths}))
-        if group.slug == "ops":
-            patches.append(_kernels_patch(root, files, new_files_patch))
 
+def _top_folders(folders: Iterable[PurePosixPath]) -> list[str]:
+    """The folders none of the others contains."""
+    unique = set(folders)
+    return sorted(
+        str(f) for f in unique if not any(o != f and o in f.parents for o in unique)
+    )
+
+
+def _seam_edits(root: Path) -> dict[str, tuple[Edit, ...]]:
+    """Each plugin seam's in-tree edits, in the plugin's order, with every
+    ``<<name>>`` resolved (an anchor may quote an earlier seam's import)."""
     names = seam_names(root)
     available = {
         p.stem
@@ -456,48 +581,50 @@ def build_series(root: Path) -> list[Patch]:
     all_imports: dict[str, str] = {}
     for name in names:
         all_imports.update(seam_imports(root, name))
+    out = {}
     for name in names:
         spec = importlib.import_module(f"patch_series.seams.{name}")
-        note = getattr(spec, "IN_TREE_NOTE", "").strip()
-        body = (
-            f"{seam_docstring(root, name)}\n\n"
-            + (f"{note}\n\n" if note else "")
-            + f"The overlay (vllm-kimi-k3-dsa) applies this edit as the plugin seam\n"
-            f"{PLUGIN_DIR}/{name}.py, which calls the same functions."
-        )
-        # An anchor may quote an earlier seam's import: every seam's imports
-        # resolve, the seam's own first.
         imports = {**all_imports, **seam_imports(root, name)}
-        edits = resolve_modules(spec.EDITS, imports, name)
-        patches.append(Patch(f"seam-{name}", spec.SUBJECT, body, edits=edits))
-
-    overlay_only = set(overlay_only_modules(root, files))
-    tests = [f for f in files if f.startswith("tests/") and f not in overlay_only]
-    tools = [f for f in files if TOOLS.matches(f)]
-    dest = {p: upstream_test_path(p) for p in tests}
-    dest.update({p: upstream_tool_path(p) for p in tools})
-    patch = new_files_patch(TESTS, tests + tools, dest)
-    if overlay_only:
-        patch.body += (
-            "\n\nNot included (they test the overlay's plugin mechanism, which "
-            "vLLM's tree\ndoes not have): " + ", ".join(sorted(overlay_only))
-        )
-    patches.append(patch)
-    benches = [
-        f
-        for f in files
-        if BENCHMARKS.matches(f)
-        and not any(series_glob(p).fullmatch(f) for p in NOT_UPSTREAM)
-    ]
-    patches.append(new_files_patch(BENCHMARKS, benches, {p: p for p in benches}))
-    return patches
+        out[name] = resolve_modules(spec.EDITS, imports, name)
+    return out
 
 
-def _kernels_patch(root: Path, files: list[str], new_files_patch) -> Patch:
-    sources = [f for f in files if KERNELS.matches(f)]
-    dest = {p: upstream_csrc_path(p) for p in sources}
-    patch = new_files_patch(KERNELS, sources, dest)
-    module = build_edits.cmake_module([dest[p] for p in sources])
-    patch.files[build_edits.CMAKE_MODULE] = (module.encode(), 0o100644)
-    patch.edits = build_edits.kernel_edits()
-    return patch
+def _claimed_edits(
+    edits: dict[str, tuple[Edit, ...]], only: Feature | None = None
+) -> list[tuple[str, int, Edit]]:
+    """(seam, index, edit) of every edit a feature takes, in the plugin's
+    seam order; an edit two features take stops the generator."""
+    owner: dict[tuple[str, int], str] = {}
+    out = []
+    for seam, seam_edits in edits.items():
+        for i, edit in enumerate(seam_edits):
+            for feature in FEATURES:
+                if not any(
+                    name == seam and series_glob(glob).fullmatch(edit.path)
+                    for name, glob in feature.edits
+                ):
+                    continue
+                if (seam, i) in owner:
+                    raise SeriesError(
+                        f"the {seam} edit of {edit.path} is taken by "
+                        f"{owner[seam, i]} and {feature.slug}"
+                    )
+                owner[seam, i] = feature.slug
+                if only is None or feature is only:
+                    out.append((seam, i, edit))
+    return out
+
+
+def _edit_summary(
+    root: Path, feature: Feature, edits: dict[str, tuple[Edit, ...]]
+) -> str:
+    """One line per upstream file the feature edits, naming the seams' what
+    (their subjects, less the tag)."""
+    taken = _claimed_edits(edits, feature)
+    lines = []
+    for seam in dict.fromkeys(name for name, _, _ in taken):
+        subject = importlib.import_module(f"patch_series.seams.{seam}").SUBJECT
+        what = re.sub(r"^(\[[^\]]*\])+\s*(Kimi K3\.1:\s*)?", "", subject)
+        paths = sorted({e.path for name, _, e in taken if name == seam})
+        lines.append(f"- {what} ({', '.join(paths)})")
+    return "\n".join(lines)
