@@ -164,6 +164,90 @@ def test_layer_classes_and_their_signatures():
         assert name in module.__all__
 
 
+def _defaults(fn) -> dict:
+    return {
+        name: param.default
+        for name, param in inspect.signature(fn).parameters.items()
+        if param.default is not inspect.Parameter.empty
+    }
+
+
+def test_defaults_and_the_attributes_the_specification_sets(dsa_layer_env):
+    """The specification's defaults, one tensor back from each forward, and
+    the attributes its constructors set, with their values."""
+    module = importlib.import_module(DSA)
+    seed = {
+        "cache_config": None,
+        "quant_config": None,
+        "prefix": "",
+        "reduce_results": True,
+        "topk_indices_buffer": None,
+        "aux_stream": None,
+    }
+    # The specification's, first; ours (keyword arguments of the model's
+    # state) may follow.
+    ours = _defaults(module.KimiK3DSAAttention.__init__)
+    assert list(ours.items())[: len(seed)] == list(seed.items())
+    assert _defaults(module.KimiK3DSAIndexer.__init__) == {
+        "index_rope_dim": 0,
+        "index_k_norm_type": "rmsnorm",
+        "cache_config": None,
+        "quant_config": None,
+        "topk_indices_buffer": None,
+        "prefix": "",
+    }
+    for forward in (
+        module.KimiK3DSAAttention.forward,
+        module.KimiK3DSAIndexer.forward,
+        module.KimiK3DSAIndexerKNorm.forward,
+    ):
+        assert inspect.signature(forward).return_annotation in (
+            torch.Tensor, "torch.Tensor",
+        ), forward  # fmt: skip
+    config = dsa_layer_env.text_config()
+    dsa = config.dsa_config
+    layer = build(dsa_layer_env, config)
+    assert layer.use_nope is True and layer.rotary_emb is None
+    assert (layer.index_topk, layer.index_head_dim) == (
+        dsa.index_topk,
+        dsa.index_head_dim,
+    )
+    assert (layer.index_num_heads, layer.index_rope_dim) == (
+        dsa.index_num_heads,
+        dsa.index_rope_dim,
+    )
+    assert isinstance(layer.dsa_indexer, module.KimiK3DSAIndexer)
+    assert layer.topk_indices_buffer is layer.dsa_indexer.topk_indices_buffer
+    assert hasattr(layer, "g_proj") == bool(config.mla_use_output_gate)
+    indexer = layer.dsa_indexer
+    assert indexer.topk_tokens == dsa.index_topk
+    assert indexer.index_rope_dim == dsa.index_rope_dim
+    assert indexer.indexer_weight_scale == dsa.index_num_heads**-0.5
+    assert indexer.index_softmax_scale == dsa.index_head_dim**-0.5
+    assert indexer.quant_block_size == dsa.index_head_dim
+    assert indexer.scale_fmt == "ue8m0"
+    assert indexer.padded_index_num_heads in (32, 64)
+    assert indexer.padded_index_num_heads >= dsa.index_num_heads
+    norm = (
+        module.KimiK3DSAIndexerKNorm if dsa.index_k_norm_type == "layernorm" else None
+    )
+    if norm is not None:
+        assert isinstance(indexer.k_index_norm, norm)
+    for name in (
+        "wq_index",
+        "wkv_index",
+        "k_cache",
+        "max_model_len",
+        "use_pcp",
+        "dense_mha_metadata_layer_name",
+        "topk_backend",
+        "use_fused_k_insert",
+        "dcp_world_size",
+        "dcp_rank",
+    ):
+        assert hasattr(indexer, name), name  # fmt: skip
+
+
 # --------------------------------------------------------------------------
 # Exceptions where the specification raises (python -O keeps them)
 # --------------------------------------------------------------------------
