@@ -4,9 +4,10 @@
 
 Per point: vLLM 0.33.0's top-k kernel alone (the decode chain's pick for the
 row count, or the prefill per-row kernel), then ``canonical_topk`` on its
-output, on fp32 scores of the indexer's shape (k = 2048). Scores are random
-(no ties: the given top-k is sorted) or drawn from a few values (ties at the
-k-th value: the rows are rescanned). Needs vLLM installed (its top-k ops).
+output, and ``radix_topk`` (the same rows from the scores alone), on fp32
+scores of the indexer's shape (k = 2048). Scores are random (no ties: the
+given top-k is sorted) or drawn from a few values (ties at the k-th value:
+the rows are rescanned). Needs vLLM installed (its top-k ops).
 
     python3 benchmarks/kernels/bench_canonical_topk.py --json out.json
 """
@@ -54,6 +55,7 @@ def measure(
     mode: str, rows: int, length: int, scores: str, reps: int, bandwidth: float
 ) -> dict:
     from vllm.models.kimi_k3.nvidia.dsa_ops.canonical_topk import canonical_topk
+    from vllm.models.kimi_k3.nvidia.dsa_ops.radix_topk import radix_topk
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     if scores == "random":
@@ -73,6 +75,8 @@ def measure(
 
     total = time_graph(both, 1, reps)
     added = total - base
+    # The canonical rows in one radix select and write, without vLLM's top-k.
+    radix = time_graph(lambda i: radix_topk(logits, lens, out), 1, reps)
     return dict(
         mode=mode,
         rows=rows,
@@ -81,6 +85,8 @@ def measure(
         vllm_topk_us=round(base, 2),
         with_canonical_us=round(total, 2),
         canonical_us=round(added, 2),
+        radix_topk_us=round(radix, 2),
+        radix_over_with_canonical=round(radix / total, 3),
         # The scores read once (the tie count's pass) over the added time.
         canonical_fraction_of_copy=round(
             rows * length * 4 / max(added * 1e-6, 1e-9) / bandwidth, 3
