@@ -49,10 +49,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import candidate_kernels as C  # noqa: E402
 import dsa_layer_setup as S  # noqa: E402
 import indexer_share as I  # noqa: E402
 
 SHARED_LAYERS = tuple(f"{k}{I.SHARED_SUFFIX}" for k in ("fused", "wrapper"))
+CANDIDATE_LAYERS = (f"fused{C.CANDIDATE_SUFFIX}",)
 
 HIDDEN = 7168
 # Kernel name -> stage, first match wins (case-insensitive). Names from the
@@ -289,7 +291,8 @@ def measure(
 ) -> dict[str, Any]:
     """Build one point, time it (and profile it), and free it."""
     shared = kind in SHARED_LAYERS
-    kind = I.base_kind(kind)
+    candidate = kind in CANDIDATE_LAYERS
+    kind = C.base_kind(I.base_kind(kind))
     bench = S.setup(kind, spec, cfg, device)
     try:
         if kind == "fused" and bench.layer._packed is None:
@@ -299,11 +302,12 @@ def measure(
             raise S.Unsupported(reason)
         out: dict[str, Any] = {}
         exchange: Any = contextlib.nullcontext([])
+        swap: Any = C.candidate_kernels() if candidate else contextlib.nullcontext()
         if shared:
             out["indexer_tp"] = args.indexer_tp
             out["indexer_rows_by_rank"] = I.share_prefill_rows(bench, args.indexer_tp)
             exchange = I.stand_in_row_exchange(args.indexer_tp)
-        with exchange as exchanged:
+        with exchange as exchanged, swap:
             median, eager_reason = S.under_env(kind, time_step, bench, args.reps)
             if args.profile:
                 stages = S.under_env(kind, profile_step, bench)
@@ -372,7 +376,7 @@ def run(args: argparse.Namespace, on_record: Any = None) -> list[dict[str, Any]]
                 extra["attention_backend"] = args.dense_backend
             try:
                 cfg = S.make_vllm_config(
-                    I.base_kind(kind), heads, HIDDEN, *sizes, **extra
+                    C.base_kind(I.base_kind(kind)), heads, HIDDEN, *sizes, **extra
                 )
                 init_runtime(cfg, device)
             except Exception as e:
@@ -416,7 +420,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
     ran = {r["layer"] for r in records}
     layers = [
         *S.DSA_LAYERS,
-        *(k for k in (*SHARED_LAYERS, *S.DENSE_LAYERS) if k in ran),
+        *(k for k in (*SHARED_LAYERS, *CANDIDATE_LAYERS, *S.DENSE_LAYERS) if k in ran),
     ]
     short = {
         "wrapper": "wrap",
@@ -424,6 +428,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
         "dense-fp8": "d-fp8",
         "fused-shared": "f-shr",
         "wrapper-shared": "w-shr",
+        "fused-cand": "f-cand",
     }
     ratio_cols = [f"x {short.get(k, k)}" for k in layers[1:]]
     cols = ("heads", "mode", "B", "ctx", "T", *layers, *ratio_cols)
@@ -489,7 +494,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--layers",
         nargs="+",
-        choices=(*S.LAYERS, *SHARED_LAYERS),
+        choices=(*S.LAYERS, *SHARED_LAYERS, *CANDIDATE_LAYERS),
         default=list(S.DSA_LAYERS),
     )
     p.add_argument(
