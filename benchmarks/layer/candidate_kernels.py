@@ -20,10 +20,16 @@ def base_kind(kind: str) -> str:
     return kind.removesuffix(CANDIDATE_SUFFIX)
 
 
-def _sparse_mla(impl: Any, q: Any, cache: Any, topk: Any, kernel_metadata: Any):
-    """FlashMLA's ``_fp8_flash_mla_kernel`` contract: q [B, S, H, 576], the
-    cache's 64-token pages, topk [B, S, k] slots -> out [B, S, H, 512], lse
-    [B, H, S]."""
+def _sparse_mla(
+    self: Any,
+    q: Any,
+    kv_c_and_k_pe_cache: Any,
+    topk_indices: Any,
+    kernel_metadata: Any = None,
+):
+    """FlashMLA's ``_fp8_flash_mla_kernel`` (its names: vLLM calls it with
+    keywords): q [B, S, H, 576], the cache's 64-token pages, topk [B, S, k]
+    slots -> out [B, S, H, 512], lse [B, H, S]."""
     import torch
 
     from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import sparse_mla_fp8
@@ -31,13 +37,12 @@ def _sparse_mla(impl: Any, q: Any, cache: Any, topk: Any, kernel_metadata: Any):
     batch, steps, heads, dim = q.shape
     out, lse = sparse_mla_fp8(
         q.reshape(batch * steps, heads, dim),
-        cache.view(torch.uint8),
-        topk.reshape(batch * steps, -1).to(torch.int32),
-        impl.softmax_scale,
+        kv_c_and_k_pe_cache.view(torch.uint8),
+        topk_indices.reshape(batch * steps, -1).to(torch.int32),
+        self.softmax_scale,
     )
-    return out.view(batch, steps, heads, -1), lse.view(batch, steps, heads).transpose(
-        1, 2
-    )
+    out = out.view(batch, steps, heads, -1)
+    return out, lse.view(batch, steps, heads).transpose(1, 2)
 
 
 @contextlib.contextmanager

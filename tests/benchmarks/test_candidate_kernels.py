@@ -60,7 +60,10 @@ def test_sparse_mla_stand_in_keeps_flashmlas_shapes() -> None:
     q = torch.randn(2, 3, 12, 576, generator=g).bfloat16()  # [B, S, H, D]
     topk = torch.randint(-1, 256, (2, 3, 40), generator=g, dtype=torch.int32)
     impl = SimpleNamespace(softmax_scale=0.07)
-    out, lse = C._sparse_mla(impl, q, pages, topk, None)
+    # vLLM calls it with keywords.
+    out, lse = C._sparse_mla(
+        impl, q=q, kv_c_and_k_pe_cache=pages, topk_indices=topk, kernel_metadata=None
+    )
     assert out.shape == (2, 3, 12, 512) and lse.shape == (2, 12, 3)
     ref_out, ref_lse = sparse_mla_fp8_reference(
         q.reshape(6, 12, 576), pages, topk.reshape(6, 40), 0.07
