@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,6 +37,9 @@ def test_the_swaps_are_made_and_undone() -> None:
         dsa_indexer_op.canonical_topk,
         _custom_ops.top_k_per_row_prefill,
     )
+    # The stand-in takes the names vLLM passes (it calls with keywords).
+    names = list(inspect.signature(FlashMLASparseImpl._fp8_flash_mla_kernel).parameters)
+    assert list(inspect.signature(C._sparse_mla).parameters) == names
     with C.candidate_kernels():
         assert FlashMLASparseImpl._fp8_flash_mla_kernel is C._sparse_mla
         assert dsa_indexer_op.canonical_topk is radix_topk
