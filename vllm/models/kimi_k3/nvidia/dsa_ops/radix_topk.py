@@ -30,13 +30,14 @@ def radix_topk(
     [rows, k]`` (int32, written through a view): the ``k`` largest, ties to
     the lowest columns, ascending, then -1. CPU tensors take the torch path."""
     _check(logits, row_lens, topk_indices)
-    rows, k = topk_indices.shape
-    if rows == 0:
+    if topk_indices.shape[0] == 0:
         return
-    if runs_torch_path(logits) or not HAS_TRITON:
-        topk_indices.copy_(canonical_topk_rows(logits, row_lens, k))
-        return
-    _launch(logits, row_lens, topk_indices)
+    on_gpu = HAS_TRITON and not runs_torch_path(logits)
+    if on_gpu:
+        _launch(logits, row_lens, topk_indices)
+    else:
+        rows = canonical_topk_rows(logits, row_lens, topk_indices.shape[1])
+        topk_indices.copy_(rows)
 
 
 def _check(
