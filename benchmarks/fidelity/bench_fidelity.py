@@ -81,6 +81,9 @@ from recipes import (  # noqa: E402
 
 from vllm.models.kimi_k3.common import dsa_formats  # noqa: E402
 from vllm.models.kimi_k3.nvidia.dsa_ops import formats, reference  # noqa: E402
+from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (  # noqa: E402
+    dequantize_entries,
+)
 
 # KimiK3DSAIndexer: weight_scale = index_head_dim**-0.5 * index_num_heads**-0.5.
 INDEX_WEIGHT_SCALE = INDEX_HEAD_DIM**-0.5 * INDEX_HEADS**-0.5
@@ -127,22 +130,6 @@ def decode_indexer_entries(
     else:
         scale = scales.contiguous().view(torch.float32).squeeze(-1)
     return formats.fp8_e4m3_decode(values) * scale[:, None]
-
-
-def decode_fp8_ds_mla(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(latent fp32 ``[N, 512]``, rope fp32 ``[N, 64]``) of ``fp8_ds_mla``
-    entries ``[N, 656]``: 4 tiles of 128 e4m3 codes times their fp32 scale,
-    then the rope values as raw bf16."""
-    n = entries.shape[0]
-    nope, tile = dsa_formats.DS_MLA_NOPE_DIM, dsa_formats.DS_MLA_TILE
-    codes = entries[:, :nope]
-    scale_bytes = entries[
-        :, dsa_formats.DS_MLA_SCALE_OFFSET : dsa_formats.DS_MLA_ROPE_OFFSET
-    ]
-    scales = scale_bytes.contiguous().view(torch.float32)  # [N, 4]
-    latent = formats.fp8_e4m3_decode(codes).view(n, -1, tile) * scales[..., None]
-    rope = entries[:, dsa_formats.DS_MLA_ROPE_OFFSET :].contiguous()
-    return latent.view(n, nope), rope.view(torch.bfloat16).float()
 
 
 @dataclass
@@ -480,7 +467,7 @@ def run_case(
         (s4,) = index_scores(q4, [bf16_round(w4)], k4)
         scores["mxfp4", src] = bf16_round(s4)
         entries = formats.fp8_ds_mla_entry(c_in[src], inputs.k_pe)
-        latent, pe = decode_fp8_ds_mla(entries)
+        latent, pe = dequantize_entries(entries)
         caches[src] = {
             "k8": k8,
             "k8_bytes": sm90.values,

@@ -27,17 +27,17 @@ SCALE = 1 / math.sqrt(192)
 
 
 def packed_cache(
-    blocks: int, block_size: int, gap: int, seed: int
+    blocks: int, block_size: int, gap: int, seed: int, device: str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An ``fp8_ds_mla`` cache whose blocks sit ``gap`` bytes apart in a
     larger row (as in the packed DSA row), the gap filled with 0xFF."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     entries = fp8_ds_mla_entry(
-        torch.randn(blocks * block_size, 512, generator=g),
-        torch.randn(blocks * block_size, 64, generator=g),
+        torch.randn(blocks * block_size, 512, generator=g, device=device),
+        torch.randn(blocks * block_size, 64, generator=g, device=device),
     )
     row = block_size * entries.shape[1] + gap
-    storage = torch.full((blocks, row), 0xFF, dtype=torch.uint8)
+    storage = torch.full((blocks, row), 0xFF, dtype=torch.uint8, device=device)
     storage[:, : block_size * entries.shape[1]] = entries.view(blocks, -1)
     cache = storage.as_strided((blocks, block_size, entries.shape[1]), (row, 656, 1))
     return cache, entries

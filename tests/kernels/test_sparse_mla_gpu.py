@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import test_sparse_mla as cpu_tests
 import torch
 from dsa_gpu_utils import flashmla_sparse_decode_op, requires_consumers, requires_cuda
 
-from vllm.models.kimi_k3.nvidia.dsa_ops.formats import fp8_ds_mla_entry
 from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (
     QK_DIM,
     sparse_mla_fp8,
@@ -28,17 +28,8 @@ BLOCK = 64
 
 
 def packed_cache(blocks: int, gap: int, seed: int) -> torch.Tensor:
-    """Blocks ``gap`` bytes apart in a larger row (the packed DSA row), the
-    gap filled with 0xA5."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    entries = fp8_ds_mla_entry(
-        torch.randn(blocks * BLOCK, 512, device="cuda", generator=g),
-        torch.randn(blocks * BLOCK, 64, device="cuda", generator=g),
-    )
-    row = BLOCK * 656 + gap
-    storage = torch.full((blocks, row), 0xA5, dtype=torch.uint8, device="cuda")
-    storage[:, : BLOCK * 656] = entries.view(blocks, -1)
-    return storage.as_strided((blocks, BLOCK, 656), (row, 656, 1))
+    """Blocks ``gap`` bytes apart in a larger row (the packed DSA row)."""
+    return cpu_tests.packed_cache(blocks, BLOCK, gap, seed, device="cuda")[0]
 
 
 def random_indices(tokens: int, k: int, slots: int, seed: int) -> torch.Tensor:

@@ -499,16 +499,7 @@ def build_series(root: Path) -> list[Patch]:
         ],
         {f.slug: f.benchmarks for f in FEATURES},
     )
-    edits = _seam_edits(root)
-    claimed = {(seam, i) for seam, i, _ in _claimed_edits(edits)}
-    missing = [
-        f"{seam}: {e.path}"
-        for seam, seam_edits in edits.items()
-        for i, e in enumerate(seam_edits)
-        if (seam, i) not in claimed
-    ]
-    if missing:
-        raise SeriesError("edits no feature takes: " + ", ".join(missing))
+    taken = _assign_edits(_seam_edits(root))
 
     patches = []
     for feature in FEATURES:
@@ -522,8 +513,7 @@ def build_series(root: Path) -> list[Patch]:
             )
         if not dest:
             raise SeriesError(f"feature {feature.slug!r} adds no file")
-        taken = [e for seam, _, e in _claimed_edits(edits, feature)]
-        body = feature.body.replace("{edits}", _edit_summary(root, feature, edits))
+        body = feature.body.replace("{edits}", _edit_summary(taken[feature.slug]))
         listed = sorted(p for p in dest if dest[p].startswith(("vllm/", "csrc/")))
         summary = _module_summary(root, listed, dest)
         if len(dest) > len(listed):
@@ -543,7 +533,7 @@ def build_series(root: Path) -> list[Patch]:
             feature.subject,
             f"{body}\n\n{tested}\n\nNew files:\n{summary}".replace("\n\n\n", "\n\n"),
             files={dest[p]: _read(root, p) for p in sorted(dest)},
-            edits=tuple(taken),
+            edits=tuple(e for _, e in taken[feature.slug]),
             tests=tuple(tests[feature.slug]),
         )
         if feature.kernels:
@@ -589,42 +579,38 @@ def _seam_edits(root: Path) -> dict[str, tuple[Edit, ...]]:
     return out
 
 
-def _claimed_edits(
-    edits: dict[str, tuple[Edit, ...]], only: Feature | None = None
-) -> list[tuple[str, int, Edit]]:
-    """(seam, index, edit) of every edit a feature takes, in the plugin's
-    seam order; an edit two features take stops the generator."""
-    owner: dict[tuple[str, int], str] = {}
-    out = []
+def _assign_edits(
+    edits: dict[str, tuple[Edit, ...]],
+) -> dict[str, list[tuple[str, Edit]]]:
+    """Feature slug -> the (seam, edit) pairs it takes, in the plugin's seam
+    order; an edit no feature or two features take stops the generator."""
+    taken: dict[str, list[tuple[str, Edit]]] = {f.slug: [] for f in FEATURES}
     for seam, seam_edits in edits.items():
-        for i, edit in enumerate(seam_edits):
-            for feature in FEATURES:
-                if not any(
+        for edit in seam_edits:
+            owners = [
+                f.slug
+                for f in FEATURES
+                if any(
                     name == seam and series_glob(glob).fullmatch(edit.path)
-                    for name, glob in feature.edits
-                ):
-                    continue
-                if (seam, i) in owner:
-                    raise SeriesError(
-                        f"the {seam} edit of {edit.path} is taken by "
-                        f"{owner[seam, i]} and {feature.slug}"
-                    )
-                owner[seam, i] = feature.slug
-                if only is None or feature is only:
-                    out.append((seam, i, edit))
-    return out
+                    for name, glob in f.edits
+                )
+            ]
+            if len(owners) != 1:
+                raise SeriesError(
+                    f"the {seam} edit of {edit.path} must be taken by one "
+                    f"feature, not {owners or 'none'}"
+                )
+            taken[owners[0]].append((seam, edit))
+    return taken
 
 
-def _edit_summary(
-    root: Path, feature: Feature, edits: dict[str, tuple[Edit, ...]]
-) -> str:
-    """One line per upstream file the feature edits, naming the seams' what
-    (their subjects, less the tag)."""
-    taken = _claimed_edits(edits, feature)
+def _edit_summary(taken: list[tuple[str, Edit]]) -> str:
+    """One line per seam a feature takes: what it does (its subject, less
+    the tag) and the upstream files it edits."""
     lines = []
-    for seam in dict.fromkeys(name for name, _, _ in taken):
+    for seam in dict.fromkeys(name for name, _ in taken):
         subject = importlib.import_module(f"patch_series.seams.{seam}").SUBJECT
         what = re.sub(r"^(\[[^\]]*\])+\s*(Kimi K3\.1:\s*)?", "", subject)
-        paths = sorted({e.path for name, _, e in taken if name == seam})
+        paths = sorted({e.path for name, e in taken if name == seam})
         lines.append(f"- {what} ({', '.join(paths)})")
     return "\n".join(lines)
