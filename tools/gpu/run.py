@@ -190,6 +190,16 @@ SUITES: dict[str, Suite] = {
         "scores with ties: raw run-to-run changes, canonical rows fixed "
         "(vLLM installed)",
     ),
+    "candidate-kernels": Suite(
+        "python3 -m pytest -m gpu -v -p no:cacheprovider "
+        "tests/kernels/test_sparse_mla_gpu.py tests/kernels/test_radix_topk_gpu.py "
+        ">$LOGS/pytest.log 2>&1; rc=$?; tail -n 20 $LOGS/pytest.log; exit $rc",
+        {**VLLM_ENV, **KERNEL_ENV},
+        300,
+        "issue 38's candidate kernels alone: sparse_mla_fp8 against its reference "
+        "and FlashMLA padded to 64 heads, radix_topk against the canonical rows "
+        "(graph replay, bad inputs; vLLM installed)",
+    ),
     "sparse-mla-bench": Suite(
         "python3 benchmarks/kernels/bench_sparse_mla.py --json $LOGS/sparse_mla.json",
         VLLM_ENV,
