@@ -54,7 +54,7 @@ import dsa_layer_setup as S  # noqa: E402
 import indexer_share as I  # noqa: E402
 
 SHARED_LAYERS = tuple(f"{k}{I.SHARED_SUFFIX}" for k in ("fused", "wrapper"))
-CANDIDATE_LAYERS = (f"fused{C.CANDIDATE_SUFFIX}",)
+CANDIDATE_LAYERS = C.LAYERS
 
 HIDDEN = 7168
 # Kernel name -> stage, first match wins (case-insensitive). Names from the
@@ -291,7 +291,7 @@ def measure(
 ) -> dict[str, Any]:
     """Build one point, time it (and profile it), and free it."""
     shared = kind in SHARED_LAYERS
-    candidate = kind in CANDIDATE_LAYERS
+    swap = C.variant(kind)
     kind = C.base_kind(I.base_kind(kind))
     bench = S.setup(kind, spec, cfg, device)
     try:
@@ -302,7 +302,6 @@ def measure(
             raise S.Unsupported(reason)
         out: dict[str, Any] = {}
         exchange: Any = contextlib.nullcontext([])
-        swap: Any = C.candidate_kernels() if candidate else contextlib.nullcontext()
         if shared:
             out["indexer_tp"] = args.indexer_tp
             out["indexer_rows_by_rank"] = I.share_prefill_rows(bench, args.indexer_tp)
@@ -429,6 +428,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
         "fused-shared": "f-shr",
         "wrapper-shared": "w-shr",
         "fused-cand": "f-cand",
+        "fused-padded": "f-pad",
     }
     ratio_cols = [f"x {short.get(k, k)}" for k in layers[1:]]
     cols = ("heads", "mode", "B", "ctx", "T", *layers, *ratio_cols)

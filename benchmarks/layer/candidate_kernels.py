@@ -1,68 +1,60 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The fused layer with the kernels issue 38 proposes, for the layer
-benchmark only: ``sparse_mla_fp8`` in place of FlashMLA's padded fp8 sparse
-kernel, and ``radix_topk`` in place of vLLM's top-k plus ``canonical_topk``.
-Nothing that serves uses either yet; this measures what wiring them in would
-give, on the same layer, metadata and caches."""
+"""Layer variants of issue 38, for the layer benchmark only.
+
+``fused-padded`` is the fused layer with FlashMLA's fp8 kernel padded to 64
+heads, as vLLM 0.33.0 runs it (the fused layer runs ``sparse_mla_fp8`` below
+64 heads); ``fused-cand`` swaps ``radix_topk`` in for vLLM's top-k plus
+``canonical_topk``, which nothing that serves uses."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
+from vllm.models.kimi_k3.common.dsa_envs import SPARSE_MLA_PADDED_ENV
+
 CANDIDATE_SUFFIX = "-cand"
+PADDED_SUFFIX = "-padded"
+LAYERS = (f"fused{PADDED_SUFFIX}", f"fused{CANDIDATE_SUFFIX}")
 
 
 def base_kind(kind: str) -> str:
-    """The layer a ``-cand`` kind builds."""
-    return kind.removesuffix(CANDIDATE_SUFFIX)
+    """The layer a variant builds."""
+    return kind.removesuffix(CANDIDATE_SUFFIX).removesuffix(PADDED_SUFFIX)
 
 
-def _sparse_mla(
-    self: Any,
-    q: Any,
-    kv_c_and_k_pe_cache: Any,
-    topk_indices: Any,
-    kernel_metadata: Any = None,
-):
-    """FlashMLA's ``_fp8_flash_mla_kernel`` (its names: vLLM calls it with
-    keywords): q [B, S, H, 576], the cache's 64-token pages, topk [B, S, k]
-    slots -> out [B, S, H, 512], lse [B, H, S]."""
-    import torch
-
-    from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import sparse_mla_fp8
-
-    batch, steps, heads, dim = q.shape
-    out, lse = sparse_mla_fp8(
-        q.reshape(batch * steps, heads, dim),
-        kv_c_and_k_pe_cache.view(torch.uint8),
-        topk_indices.reshape(batch * steps, -1).to(torch.int32),
-        self.softmax_scale,
-    )
-    out = out.view(batch, steps, heads, -1)
-    return out, lse.view(batch, steps, heads).transpose(1, 2)
+@contextlib.contextmanager
+def padded_sparse_mla() -> Iterator[None]:
+    """FlashMLA padded to 64 heads for the duration (the switch restored)."""
+    saved = os.environ.get(SPARSE_MLA_PADDED_ENV)
+    os.environ[SPARSE_MLA_PADDED_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[SPARSE_MLA_PADDED_ENV]
+        else:
+            os.environ[SPARSE_MLA_PADDED_ENV] = saved
 
 
 @contextlib.contextmanager
 def candidate_kernels() -> Iterator[None]:
-    """Both swaps for the duration (restored after)."""
+    """``radix_topk`` for the duration (restored after)."""
     from vllm import _custom_ops
     from vllm.models.kimi_k3.nvidia import dsa_indexer_op
     from vllm.models.kimi_k3.nvidia.dsa_ops.radix_topk import radix_topk
-    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
 
     def no_topk(*args: Any, **kwargs: Any) -> None:
         return None
 
     saved = (
-        FlashMLASparseImpl._fp8_flash_mla_kernel,
         dsa_indexer_op.get_indexer_topk,
         dsa_indexer_op.canonical_topk,
         _custom_ops.top_k_per_row_prefill,
     )
-    FlashMLASparseImpl._fp8_flash_mla_kernel = _sparse_mla
     dsa_indexer_op.get_indexer_topk = lambda backend: no_topk
     dsa_indexer_op.canonical_topk = radix_topk
     _custom_ops.top_k_per_row_prefill = no_topk
@@ -70,8 +62,16 @@ def candidate_kernels() -> Iterator[None]:
         yield
     finally:
         (
-            FlashMLASparseImpl._fp8_flash_mla_kernel,
             dsa_indexer_op.get_indexer_topk,
             dsa_indexer_op.canonical_topk,
             _custom_ops.top_k_per_row_prefill,
         ) = saved
+
+
+def variant(kind: str) -> contextlib.AbstractContextManager[Any]:
+    """What ``kind`` changes while it is timed."""
+    if kind.endswith(PADDED_SUFFIX):
+        return padded_sparse_mla()
+    if kind.endswith(CANDIDATE_SUFFIX):
+        return candidate_kernels()
+    return contextlib.nullcontext()

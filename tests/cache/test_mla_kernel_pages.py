@@ -97,10 +97,10 @@ def test_dsa_layers_get_our_mla_backend():
     from vllm.models.kimi_k3.nvidia.dsa import use_kimi_k3_mla_backend
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
 
-    attn = SimpleNamespace(attn_backend=FlashMLASparseBackend)
+    attn = SimpleNamespace(attn_backend=FlashMLASparseBackend, impl=object())
     use_kimi_k3_mla_backend(attn)
     assert attn.attn_backend is KimiK3FlashMLASparseBackend
-    other = SimpleNamespace(attn_backend=KimiK3IndexerBackend)
+    other = SimpleNamespace(attn_backend=KimiK3IndexerBackend, impl=object())
     use_kimi_k3_mla_backend(other)
     assert other.attn_backend is KimiK3IndexerBackend
 

@@ -18,7 +18,8 @@ EDITS = (
         "    VLLM_KIMI_K3_DSA_FORCE_WRAPPER: bool = False\n"
         "    VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP: bool = False\n"
         "    VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES: bool = False\n"
-        "    VLLM_KIMI_K3_DSA_INDEXER_DECODE_SHARD: bool = False\n",
+        "    VLLM_KIMI_K3_DSA_INDEXER_DECODE_SHARD: bool = False\n"
+        "    VLLM_KIMI_K3_DSA_SPARSE_MLA_PADDED: bool = False\n",
     ),
     insert_before(
         _ENVS,
@@ -61,6 +62,11 @@ EDITS = (
         "    # (one all-gather of the top-k rows a step).\n"
         '    "VLLM_KIMI_K3_DSA_INDEXER_DECODE_SHARD": _kimi_k3_dsa_flag(\n'
         '        "<<indexer_decode_shard>>", "indexer_decode_shard"\n'
+        "    ),\n"
+        "    # Kimi K3.1 DSA: sparse MLA below 64 heads on FlashMLA padded to 64\n"
+        "    # (vLLM's kernel) rather than the unpadded one.\n"
+        '    "VLLM_KIMI_K3_DSA_SPARSE_MLA_PADDED": _kimi_k3_dsa_flag(\n'
+        '        "<<sparse_mla_padded_forced>>", "sparse_mla_padded_forced"\n'
         "    ),\n",
     ),
 )

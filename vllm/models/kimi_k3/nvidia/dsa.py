@@ -60,6 +60,7 @@ from vllm.models.kimi_k3.nvidia.dsa_ops import (  # noqa: F401 (re-exported)
     mxfp4_k_norm_quant_insert,
     mxfp4_q_quant,
 )
+from vllm.models.kimi_k3.nvidia.dsa_sparse_mla import KimiK3FlashMLASparseImpl
 from vllm.models.kimi_k3.nvidia.mla import (
     _GATE_MULTI_STREAM_TOKEN_THRESHOLD,
     _gate_sigmoid_mul,
@@ -971,6 +972,8 @@ class KimiK3DSAIndexerKNorm(nn.Module):
 
 def use_kimi_k3_mla_backend(attn: Any) -> None:
     """Give a DSA layer's MLA attention our FlashMLA sparse subclass, whose
-    MLA pages the runner may split into kernel pages."""
+    MLA pages the runner may split into kernel pages, and its impl, whose
+    fp8 kernel runs unpadded below 64 heads."""
     if getattr(attn, "attn_backend", None) is FlashMLASparseBackend:
         attn.attn_backend = KimiK3FlashMLASparseBackend
+        attn.impl = KimiK3FlashMLASparseImpl.adopt(attn.impl)

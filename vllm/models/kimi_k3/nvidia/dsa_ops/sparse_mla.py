@@ -187,7 +187,7 @@ def _launch(
             tokens, num_splits, heads, dtype=torch.float32, device=q.device
         )
     grid = (tokens, num_splits, triton.cdiv(heads, _BLOCK_H))
-    _split_kernel[grid](
+    _sparse_mla_split_kernel[grid](
         q,
         q.stride(0),
         q.stride(1),
@@ -209,7 +209,7 @@ def _launch(
         num_warps=8,
     )
     if not single:
-        _combine_kernel[(tokens, heads)](
+        _sparse_mla_combine_kernel[(tokens, heads)](
             part_out,
             part_lse,
             out,
@@ -232,7 +232,7 @@ if HAS_TRITON:
     BLOCK_N = tl.constexpr(_BLOCK_N)
 
     @triton.jit
-    def _split_kernel(
+    def _sparse_mla_split_kernel(
         q_ptr,
         q_token_stride,
         q_head_stride,
@@ -326,7 +326,7 @@ if HAS_TRITON:
             tl.store(lse_ptr + part * num_heads + heads, lse2, mask=head_ok)
 
     @triton.jit
-    def _combine_kernel(
+    def _sparse_mla_combine_kernel(
         part_out_ptr,
         part_lse_ptr,
         out_ptr,

@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The DSA layers' FlashMLA sparse impl on the CPU: a layer built through
+vLLM's MLA wrapper gets :class:`KimiK3FlashMLASparseImpl`; below 64 heads its
+fp8 kernel entry runs ``sparse_mla_fp8`` (its torch path here) with
+FlashMLA's shapes; at 64 heads, under DCP's LSE merge and with the switch set
+it is FlashMLA's, padded as vLLM pads. FlashMLA itself is stubbed (a CPU
+cannot run it), and so is the sparse backend selection (``dsa_layer_env``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from layer_builders import build
+
+from vllm.models.kimi_k3.common.dsa_cache import KimiK3FlashMLASparseBackend
+from vllm.models.kimi_k3.common.dsa_envs import SPARSE_MLA_PADDED_ENV
+from vllm.models.kimi_k3.nvidia.dsa_ops.formats import fp8_ds_mla_entry
+from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (
+    QK_DIM,
+    sparse_mla_fp8_reference,
+)
+from vllm.models.kimi_k3.nvidia.dsa_sparse_mla import KimiK3FlashMLASparseImpl
+
+PAGE = 64
+PAGES = 3
+TOPK = 40
+SCALE = 1 / math.sqrt(192)
+
+
+@pytest.fixture
+def impl(dsa_layer_env) -> KimiK3FlashMLASparseImpl:
+    layer = build(dsa_layer_env)
+    attn = layer.mla_attn.mla_attn
+    assert attn.attn_backend is KimiK3FlashMLASparseBackend
+    return attn.impl
+
+
+def _inputs(heads: int, tokens: int = 5, seed: int = 0):
+    """q [1, T, H, 576], the cache's 64-token pages, top-k slots [1, T, k]
+    with -1 holes and one row that selects nothing."""
+    g = torch.Generator().manual_seed(seed)
+    entries = fp8_ds_mla_entry(
+        torch.randn(PAGES * PAGE, 512, generator=g),
+        torch.randn(PAGES * PAGE, 64, generator=g),
+    )
+    cache = entries.view(PAGES, PAGE, -1)
+    q = torch.randn(1, tokens, heads, QK_DIM, generator=g).bfloat16()
+    slots = torch.randint(0, PAGES * PAGE, (1, tokens, TOPK), generator=g)
+    slots[torch.rand(slots.shape, generator=g) < 0.2] = -1
+    slots[0, -1] = -1
+    return q, cache, slots.to(torch.int32)
+
+
+def _stub_flashmla(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """FlashMLA's fp8 kernel replaced by a recorder of its q's shape."""
+    from vllm.v1.attention.backends.mla import flashmla_sparse
+
+    calls: list[tuple[int, ...]] = []
+
+    def flash_mla_with_kvcache(q: torch.Tensor, **kwargs):
+        calls.append(tuple(q.shape))
+        b, s, h, _ = q.shape
+        return q.new_zeros(b, s, h, 512), torch.zeros(b, h, s)
+
+    monkeypatch.setattr(
+        flashmla_sparse, "flash_mla_with_kvcache", flash_mla_with_kvcache
+    )
+    return calls
+
+
+def test_dsa_layer_gets_our_impl(impl) -> None:
+    assert type(impl) is KimiK3FlashMLASparseImpl
+    assert impl.kv_cache_dtype == "fp8_ds_mla"
+    assert impl.num_heads < impl.fp8_decode_padded_heads == 64
+
+
+def test_few_heads_run_unpadded(impl, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SPARSE_MLA_PADDED_ENV, raising=False)
+    calls = _stub_flashmla(monkeypatch)
+    q, cache, slots = _inputs(impl.num_heads)
+    out, lse = impl._fp8_flash_mla_kernel(
+        q=q, kv_c_and_k_pe_cache=cache, topk_indices=slots, kernel_metadata=None
+    )
+    assert calls == []
+    tokens, heads = q.shape[1], q.shape[2]
+    assert out.shape == (1, tokens, heads, 512) and lse.shape == (1, heads, tokens)
+    want, want_lse = sparse_mla_fp8_reference(q[0], cache, slots[0], impl.softmax_scale)
+    torch.testing.assert_close(out[0], want)
+    torch.testing.assert_close(lse[0].transpose(0, 1), want_lse)
+    assert torch.isneginf(lse[0, :, -1]).all() and (out[0, -1] == 0).all()
+
+
+@pytest.mark.parametrize("why", ["64 heads", "dcp", "switch"])
+def test_flashmla_keeps_the_rest(impl, why: str, monkeypatch) -> None:
+    monkeypatch.delenv(SPARSE_MLA_PADDED_ENV, raising=False)
+    calls = _stub_flashmla(monkeypatch)
+    heads = 64 if why == "64 heads" else impl.num_heads
+    if why == "dcp":
+        monkeypatch.setattr(impl, "need_to_return_lse_for_decode", True)
+    if why == "switch":
+        monkeypatch.setenv(SPARSE_MLA_PADDED_ENV, "1")
+    q, cache, slots = _inputs(heads)
+    out, lse = impl._fp8_flash_mla_kernel(
+        q=q, kv_c_and_k_pe_cache=cache, topk_indices=slots, kernel_metadata=_Meta()
+    )
+    assert calls == [(1, q.shape[1], 64, QK_DIM)]
+    assert out.shape == (1, q.shape[1], heads, 512)
+
+
+def test_bad_switch_is_refused(impl, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SPARSE_MLA_PADDED_ENV, "yes")
+    q, cache, slots = _inputs(impl.num_heads)
+    with pytest.raises(ValueError, match=f"{SPARSE_MLA_PADDED_ENV}='yes'"):
+        impl._fp8_flash_mla_kernel(
+            q=q, kv_c_and_k_pe_cache=cache, topk_indices=slots, kernel_metadata=None
+        )
+
+
+def test_adopt_leaves_other_impls_alone() -> None:
+    class Other:
+        pass
+
+    other = Other()
+    assert type(KimiK3FlashMLASparseImpl.adopt(other)) is Other
+
+
+class _Meta:
+    """The FP8 kernel metadata's fields FlashMLA reads (stubbed above)."""
+
+    dummy_block_table = None
+    cache_lens = None
+    scheduler_metadata = None

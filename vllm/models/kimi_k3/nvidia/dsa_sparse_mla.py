@@ -1,0 +1,77 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""FlashMLA sparse for the Kimi K3.1 DSA layers, with the ``fp8_ds_mla``
+kernel run at the layer's own head count below 64 heads.
+
+FlashMLA's fp8 sparse kernel takes 64 or 128 query heads, so vLLM pads a
+TP 8 rank's 12 heads to 64, and below 32 heads sends prefill rows through
+that kernel too (its mixed batch). :func:`sparse_mla_fp8` reads the same
+pages and top-k slots at the real head count. DCP (which merges the
+kernel's LSE across ranks) and 64 or more heads keep FlashMLA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.models.kimi_k3.common.dsa_envs import sparse_mla_padded_forced
+from vllm.models.kimi_k3.common.dsa_formats import DS_MLA_ENTRY_BYTES
+from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import sparse_mla_fp8
+from vllm.v1.attention.backends.mla.flashmla_sparse import (
+    FlashMLASparseImpl,
+    FlashMLASparseMetadata,
+)
+
+logger = init_logger(__name__)
+
+
+class KimiK3FlashMLASparseImpl(FlashMLASparseImpl):
+    """FlashMLA sparse, whose fp8 kernel runs unpadded below 64 heads."""
+
+    @classmethod
+    def adopt(cls, impl: FlashMLASparseImpl) -> FlashMLASparseImpl:
+        """``impl`` as this class: vLLM's MLA wrapper builds the layer's
+        impl from the backend it selects, before the layer can hand it ours.
+        Only the class changes (this one adds no state)."""
+        if type(impl) is FlashMLASparseImpl:
+            impl.__class__ = cls
+        return impl
+
+    def runs_few_head_kernel(self, num_heads: int, cache: torch.Tensor) -> bool:
+        """Whether the fp8 attention of ``num_heads`` query heads over
+        ``cache`` runs :func:`sparse_mla_fp8` rather than FlashMLA."""
+        return (
+            num_heads < self.fp8_decode_padded_heads
+            and cache.shape[-1] == DS_MLA_ENTRY_BYTES
+            and not self.need_to_return_lse_for_decode
+            and not sparse_mla_padded_forced()
+        )
+
+    def _fp8_flash_mla_kernel(
+        self,
+        q: torch.Tensor,
+        kv_c_and_k_pe_cache: torch.Tensor,
+        topk_indices: torch.Tensor,
+        kernel_metadata: FlashMLASparseMetadata.FP8KernelMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q [B, S, H, 576], the cache's 64-token pages, topk [B, S, k] slots;
+        # returns out [B, S, H, 512] and lse [B, H, S], as FlashMLA does.
+        batch, steps, heads, dim = q.shape
+        if not self.runs_few_head_kernel(heads, kv_c_and_k_pe_cache):
+            return super()._fp8_flash_mla_kernel(
+                q, kv_c_and_k_pe_cache, topk_indices, kernel_metadata
+            )
+        logger.info_once(
+            "Kimi-K3.1 DSA: sparse MLA at %d heads a rank without padding "
+            "(sparse_mla_fp8).",
+            heads,
+        )
+        out, lse = sparse_mla_fp8(
+            q.reshape(batch * steps, heads, dim),
+            kv_c_and_k_pe_cache.view(torch.uint8),
+            topk_indices.reshape(batch * steps, -1).to(torch.int32),
+            self.softmax_scale,
+        )
+        out = out.view(batch, steps, heads, -1)
+        return out, lse.view(batch, steps, heads).transpose(1, 2)
