@@ -24,8 +24,12 @@ from vllm.models.kimi_k3.common.dsa_formats import (
     E2M1_MAX,
     FP8_AMAX_FLOOR,
     FP8_E4M3_MAX,
+    FP32_MIN_NORMAL_EXP,
     MXFP4_AMAX_FLOOR,
     MXFP4_BLOCK_SIZE,
+    UE8M0_BIAS,
+    UE8M0_MAX_EXP,
+    UE8M0_MIN_EXP,
 )
 from vllm.models.kimi_k3.nvidia.dsa_ops._triton import HAS_TRITON, tl, triton
 from vllm.models.kimi_k3.nvidia.dsa_ops._variants import mxfp4_variant
@@ -83,6 +87,11 @@ def _check_inputs(
 # Triton kernels.
 
 if HAS_TRITON:
+    # The fp32 exponent field and the UE8M0 byte, as the kernels see them.
+    BIAS = tl.constexpr(UE8M0_BIAS)
+    MAX_EXP = tl.constexpr(UE8M0_MAX_EXP)
+    MIN_EXP = tl.constexpr(UE8M0_MIN_EXP)
+    MIN_NORMAL_EXP = tl.constexpr(FP32_MIN_NORMAL_EXP)
 
     @triton.jit
     def _ceil_log2_fp32(x):
@@ -91,13 +100,13 @@ if HAS_TRITON:
         bits = x.to(tl.int32, bitcast=True)
         exp_field = (bits >> 23) & 0xFF
         frac = bits & 0x7FFFFF
-        return exp_field - 127 + (frac != 0).to(tl.int32)
+        return exp_field - BIAS + (frac != 0).to(tl.int32)
 
     @triton.jit
     def _exp2_int(e):
         """Exact fp32 2**e of int32 exponents in [-126, 127]."""
-        e = tl.minimum(tl.maximum(e, -126), 127)
-        return ((e + 127) << 23).to(tl.float32, bitcast=True)
+        e = tl.minimum(tl.maximum(e, MIN_NORMAL_EXP), MAX_EXP)
+        return ((e + BIAS) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _q_fp8_fold_weights_kernel(
@@ -218,7 +227,7 @@ if HAS_TRITON:
         amax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
         amax = tl.maximum(amax, AMAX_FLOOR)
         e = _ceil_log2_fp32(amax * INV_E2M1_MAX)
-        e = tl.minimum(tl.maximum(e, -127), 127)
+        e = tl.minimum(tl.maximum(e, MIN_EXP), MAX_EXP)
         inv = _exp2_int(-e)[:, :, None]
         packed = _e2m1_nibble(lo * inv) | (_e2m1_nibble(hi * inv) << 4)
 
@@ -235,7 +244,7 @@ if HAS_TRITON:
             + heads[:, None] * NUM_BLOCKS
             + blocks[None, :]
         )
-        tl.store(scale_out_ptr + s_off, (e + 127).to(tl.uint8), mask=h_out[:, None])
+        tl.store(scale_out_ptr + s_off, (e + BIAS).to(tl.uint8), mask=h_out[:, None])
         tl.store(
             w_out_ptr + tok * PADDED_HEADS + heads,
             w.to(tl.float32) * weight_scale,
