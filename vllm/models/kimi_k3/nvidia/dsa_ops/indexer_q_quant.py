@@ -17,19 +17,18 @@ Padded heads get zero codes and zero weights. ``reference.indexer_q_quant`` is
 the contract the kernels are tested against.
 """
 
+from typing import Any
+
 import torch
 
+from vllm.models.kimi_k3.common import dsa_formats
 from vllm.models.kimi_k3.common.dsa_formats import (
     DEEPGEMM_INDEX_HEADS,
     E2M1_MAX,
     FP8_AMAX_FLOOR,
     FP8_E4M3_MAX,
-    FP32_MIN_NORMAL_EXP,
     MXFP4_AMAX_FLOOR,
     MXFP4_BLOCK_SIZE,
-    UE8M0_BIAS,
-    UE8M0_MAX_EXP,
-    UE8M0_MIN_EXP,
 )
 from vllm.models.kimi_k3.nvidia.dsa_ops._triton import HAS_TRITON, tl, triton
 from vllm.models.kimi_k3.nvidia.dsa_ops._variants import mxfp4_variant
@@ -88,10 +87,10 @@ def _check_inputs(
 
 if HAS_TRITON:
     # The fp32 exponent field and the UE8M0 byte, as the kernels see them.
-    BIAS = tl.constexpr(UE8M0_BIAS)
-    MAX_EXP = tl.constexpr(UE8M0_MAX_EXP)
-    MIN_EXP = tl.constexpr(UE8M0_MIN_EXP)
-    MIN_NORMAL_EXP = tl.constexpr(FP32_MIN_NORMAL_EXP)
+    BIAS = tl.constexpr(dsa_formats.UE8M0_BIAS)
+    MAX_EXP = tl.constexpr(dsa_formats.UE8M0_MAX_EXP)
+    MIN_EXP = tl.constexpr(dsa_formats.UE8M0_MIN_EXP)
+    MIN_NORMAL_EXP = tl.constexpr(dsa_formats.FP32_MIN_NORMAL_EXP)
 
     @triton.jit
     def _ceil_log2_fp32(x):
@@ -323,41 +322,63 @@ mxfp4_q_quant = mxfp4_variant(
 )
 
 
+def _launch(
+    kernel: Any,
+    q_arg: torch.Tensor,
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    outputs: tuple[torch.Tensor, ...],
+    weight_scale: float,
+    padded_heads: int,
+    **meta: Any,
+) -> None:
+    """One program per (token, block of heads); ``q_arg`` is ``index_q`` or a
+    view of it that the kernel reads."""
+    num_tokens, num_heads, head_dim = index_q.shape
+    if num_tokens == 0:
+        return
+    block_h = _block_h(num_tokens, padded_heads)
+    kernel[(num_tokens, padded_heads // block_h)](
+        q_arg,
+        *q_arg.stride(),
+        index_weights,
+        *index_weights.stride(),
+        *outputs,
+        float(weight_scale),
+        num_heads,
+        PADDED_HEADS=padded_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        num_warps=_NUM_WARPS,
+        **meta,
+    )
+
+
 def _fp8_q_quant_triton(
     index_q: torch.Tensor,
     index_weights: torch.Tensor,
     weight_scale: float,
     padded_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    num_tokens, num_heads, head_dim = index_q.shape
+    num_tokens, _, head_dim = index_q.shape
+    device = index_q.device
     q_fp8 = torch.empty(
-        (num_tokens, padded_heads, head_dim),
-        dtype=torch.float8_e4m3fn,
-        device=index_q.device,
+        (num_tokens, padded_heads, head_dim), dtype=torch.float8_e4m3fn, device=device
     )
     weights = torch.empty(
-        (num_tokens, padded_heads), dtype=torch.float32, device=index_q.device
+        (num_tokens, padded_heads), dtype=torch.float32, device=device
     )
-    if num_tokens == 0:
-        return q_fp8, weights
-    block_h = _block_h(num_tokens, padded_heads)
-    grid = (num_tokens, padded_heads // block_h)
-    _q_fp8_fold_weights_kernel[grid](
+    _launch(
+        _q_fp8_fold_weights_kernel,
         index_q,
-        *index_q.stride(),
+        index_q,
         index_weights,
-        *index_weights.stride(),
-        q_fp8,
-        weights,
-        float(weight_scale),
-        num_heads,
-        PADDED_HEADS=padded_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_H=block_h,
+        (q_fp8, weights),
+        weight_scale,
+        padded_heads,
         BLOCK_D=triton.next_power_of_2(head_dim),
         AMAX_FLOOR=FP8_AMAX_FLOOR,
         FP8_MAX=FP8_E4M3_MAX,
-        num_warps=_NUM_WARPS,
     )
     return q_fp8, weights
 
@@ -368,7 +389,7 @@ def _mxfp4_q_quant_triton(
     weight_scale: float,
     padded_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    num_tokens, num_heads, head_dim = index_q.shape
+    num_tokens, _, head_dim = index_q.shape
     device = index_q.device
     q_packed = torch.empty(
         (num_tokens, padded_heads, head_dim // 2), dtype=torch.uint8, device=device
@@ -377,29 +398,18 @@ def _mxfp4_q_quant_triton(
     weights = torch.empty(
         (num_tokens, padded_heads), dtype=torch.float32, device=device
     )
-    if num_tokens == 0:
-        return q_packed, q_scale, weights
-    block_h = _block_h(num_tokens, padded_heads)
-    grid = (num_tokens, padded_heads // block_h)
     pairs = _as_bf16_pairs(index_q)
-    q_arg = index_q if pairs is None else pairs
-    _q_mxfp4_kernel[grid](
-        q_arg,
-        *q_arg.stride(),
+    _launch(
+        _q_mxfp4_kernel,
+        index_q if pairs is None else pairs,
+        index_q,
         index_weights,
-        *index_weights.stride(),
-        q_packed,
-        q_scale.view(torch.uint8),
-        weights,
-        float(weight_scale),
-        num_heads,
-        PADDED_HEADS=padded_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_H=block_h,
+        (q_packed, q_scale.view(torch.uint8), weights),
+        weight_scale,
+        padded_heads,
         MX_BLOCK=MXFP4_BLOCK_SIZE,
         AMAX_FLOOR=MXFP4_AMAX_FLOOR,
         INV_E2M1_MAX=1.0 / E2M1_MAX,
         BF16_PAIRS=pairs is not None,
-        num_warps=_NUM_WARPS,
     )
     return q_packed, q_scale, weights
