@@ -12,7 +12,8 @@
 - The engine's generic kernel-page module (``vllm/v1/worker/kernel_pages.py``)
   knows no model and imports torch and the standard library only: the runners
   import it, and the kernels' GPU tests lay out caches with it where vLLM is
-  not installed.
+  not installed. Under ``if TYPE_CHECKING:`` (never run) it names the
+  runners' own types, from ``vllm.v1.worker``.
 
 Read from the source (ast), so a lazy import inside a function counts too.
 """
@@ -67,6 +68,21 @@ def imported_modules(source: str, module: str) -> list[tuple[str, int]]:
     return found
 
 
+def type_checking_lines(source: str) -> set[int]:
+    """Lines of the imports under ``if TYPE_CHECKING:`` (never executed)."""
+    lines: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.If)
+            and isinstance(node.test, ast.Name)
+            and node.test.id == "TYPE_CHECKING"
+        ):
+            for stmt in node.body:
+                if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                    lines.add(stmt.lineno)
+    return lines
+
+
 def _within(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
@@ -113,8 +129,13 @@ def test_numbers_module_imports_the_standard_library_only():
 
 
 def test_generic_kernel_pages_import_torch_and_the_standard_library_only():
-    names = imported_modules(KERNEL_PAGES.read_text(), module_name(KERNEL_PAGES))
-    assert [n for n, _ in names if not (_is_stdlib(n) or _within(n, "torch"))] == []
+    source = KERNEL_PAGES.read_text()
+    names = imported_modules(source, module_name(KERNEL_PAGES))
+    typing_only = type_checking_lines(source)
+    run = [n for n, line in names if line not in typing_only]
+    assert [n for n in run if not (_is_stdlib(n) or _within(n, "torch"))] == []
+    typed = [n for n, line in names if line in typing_only]
+    assert [n for n in typed if not _within(n, "vllm.v1.worker")] == []
 
 
 def test_import_scans_see_forbidden_imports():

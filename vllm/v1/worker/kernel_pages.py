@@ -11,17 +11,27 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu.block_table import BlockTables
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.ubatch_utils import UBatchSlices
+    from vllm.v1.worker.utils import AttentionGroup
 
 # The attention-backend capability the runner asks before it splits.
 TOKEN_CACHE_KERNEL_PAGE_SLOTS = "token_cache_kernel_page_slots"
 SLOTS_FROM_BUILDER = "builder"
 SLOTS_FROM_RUNNER = "runner"
 
+# Our attributes on vLLM's objects (the runner's buffers, the block tables'
+# split groups).
 _BUFFERS = "_kernel_page_slot_buffers"
 BLOCK_TABLES_ATTR = "kernel_page_slot_groups"
+# A V1 runner's slot mappings by layer: one dict, or one per micro-batch.
+SlotMappingsByLayer = dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]
 
 
 def token_cache_kernel_page_slots(backend: object) -> str | None:
@@ -102,7 +112,9 @@ class KernelPageSlots:
         )
 
 
-def kernel_page_slot_groups(attn_groups: Iterable[Any]) -> dict[int, KernelPageSlots]:
+def kernel_page_slot_groups(
+    attn_groups: Iterable[AttentionGroup],
+) -> dict[int, KernelPageSlots]:
     """KV cache group id -> kernel-page addressing of the split groups whose
     backend takes its slots from the runner."""
     found: dict[int, KernelPageSlots] = {}
@@ -137,7 +149,9 @@ def remap_slot_mapping_rows(
     return slot_mappings
 
 
-def configure_block_tables(block_tables: Any, attn_groups: Iterable[Any]) -> None:
+def configure_block_tables(
+    block_tables: BlockTables, attn_groups: Iterable[AttentionGroup]
+) -> None:
     """Model Runner V2: record which groups' slots address kernel pages, once
     the KV caches are bound."""
     groups = kernel_page_slot_groups(attn_groups)
@@ -151,21 +165,19 @@ def configure_block_tables(block_tables: Any, attn_groups: Iterable[Any]) -> Non
     setattr(block_tables, BLOCK_TABLES_ATTR, groups)
 
 
-def runner_kernel_page_groups(runner: Any) -> dict[int, KernelPageSlots]:
+def runner_kernel_page_groups(runner: GPUModelRunner) -> dict[int, KernelPageSlots]:
     """V1 runner: the groups whose slots it remaps."""
     return kernel_page_slot_groups(
-        group
-        for groups in getattr(runner, "attn_groups", None) or []
-        for group in groups
+        group for groups in runner.attn_groups for group in groups
     )
 
 
 def remap_slot_mappings(
-    runner: Any,
+    runner: GPUModelRunner,
     by_gid: dict[int, torch.Tensor] | None,
-    by_layer: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]] | None = None,
-    ubatch_slices: Any = None,
-) -> tuple[Any, Any]:
+    by_layer: SlotMappingsByLayer | None = None,
+    ubatch_slices: UBatchSlices | None = None,
+) -> tuple[dict[int, torch.Tensor] | None, SlotMappingsByLayer | None]:
     """V1 runner: remap the split groups' slots into a persistent buffer and
     update ``by_gid`` and ``by_layer`` with it, in place."""
     if by_gid is None:

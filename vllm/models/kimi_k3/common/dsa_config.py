@@ -124,14 +124,17 @@ class DSAConfig:
                 "dsa_config.index_k_norm_type must be 'rmsnorm' or 'layernorm', "
                 f"got {self.index_k_norm_type!r}"
             )
-        if self.index_topk_freq not in (None, 1) or isinstance(
-            self.index_topk_freq, bool
-        ):
-            raise NotImplementedError(
-                "Kimi-K3.1 DSA does not support index_topk_freq != 1 (index "
-                f"share); dsa_config.index_topk_freq accepts 1 or null, got "
-                f"{self.index_topk_freq!r}"
-            )
+        check_index_topk_freq(self.index_topk_freq)
+
+
+def check_index_topk_freq(index_topk_freq: Any) -> None:
+    """Kimi K3.1 has no index share: every DSA layer selects its own top-k."""
+    if index_topk_freq not in (None, 1) or isinstance(index_topk_freq, bool):
+        raise NotImplementedError(
+            "Kimi-K3.1 DSA does not support index_topk_freq != 1 (index "
+            f"share); dsa_config.index_topk_freq accepts 1 or null, got "
+            f"{index_topk_freq!r}"
+        )
 
 
 def _require_int(name: str, value: Any) -> None:
@@ -318,8 +321,9 @@ def check_dsa_serving(text_config: KimiLinearConfig) -> None:
 
 
 class KimiLinearDSAConfig(KimiLinearConfig):
-    """``KimiLinearConfig`` that parses ``dsa_config``; ``index_topk`` is also
-    exposed at the top level for FlashMLA sparse's metadata builder."""
+    """``KimiLinearConfig`` that parses ``dsa_config``. ``index_topk`` lives in
+    ``dsa_config``; the top-level attribute is a mirror that vLLM's sparse
+    MLA code reads (``hf_text_config.index_topk``), never set otherwise."""
 
     def __init__(self, dsa_config: Mapping[str, Any] | DSAConfig | None = None, **kw):
         misplaced = find_dsa_keys(kw)

@@ -15,8 +15,12 @@ FP8_AMAX_FLOOR = 1e-4
 E2M1_MAX = 6.0
 MXFP4_BLOCK_SIZE = 32
 UE8M0_BIAS = 127
+# Exponents a UE8M0 byte holds; the least one of a normal fp32.
+UE8M0_MAX_EXP = UE8M0_BIAS
+UE8M0_MIN_EXP = -UE8M0_BIAS
+FP32_MIN_NORMAL_EXP = 1 - UE8M0_BIAS
 # Keeps the MXFP4 scale exponent normal.
-MXFP4_AMAX_FLOOR = E2M1_MAX * 2.0**-126
+MXFP4_AMAX_FLOOR = E2M1_MAX * 2.0**FP32_MIN_NORMAL_EXP
 
 # Indexer key cache: per token, values then scale bytes, segregated per block.
 

@@ -21,9 +21,14 @@ if TYPE_CHECKING:
 class DSASettings:
     """The resolved settings of one engine configuration."""
 
+    dsa: DSAConfig
     indexer_fp4: bool
-    index_topk: int
     topk_buffer_rows: int
+
+    @property
+    def index_topk(self) -> int:
+        """The top-k buffer's width, read from ``dsa_config``."""
+        return self.dsa.index_topk
 
 
 def padded_index_heads(index_num_heads: int) -> int:
@@ -41,7 +46,7 @@ def resolve_dsa_settings(vllm_config: VllmConfig) -> DSASettings:
     """The settings of a Kimi K3.1 engine configuration (a DSA model)."""
     dsa: DSAConfig = vllm_config.model_config.hf_text_config.dsa_config
     return DSASettings(
+        dsa=dsa,
         indexer_fp4=dsa_cache.kimi_k3_indexer_uses_fp4(vllm_config),
-        index_topk=dsa.index_topk,
         topk_buffer_rows=topk_indices_buffer_rows(vllm_config),
     )

@@ -36,6 +36,7 @@ from vllm.model_executor.layers.rotary_embedding.common import yarn_get_mscale
 from vllm.model_executor.utils import is_weights_pre_processed
 from vllm.models.kimi_k3.common import dsa_cache, dsa_settings
 from vllm.models.kimi_k3.common.dsa_cache import KimiK3FlashMLASparseBackend
+from vllm.models.kimi_k3.common.dsa_config import DSAConfig, check_index_topk_freq
 from vllm.models.kimi_k3.common.dsa_envs import FORCE_WRAPPER_ENV, force_wrapper_forward
 from vllm.models.kimi_k3.common.dsa_formats import (
     fused_prologue_unsupported,
@@ -273,7 +274,7 @@ class KimiK3DSAAttention(nn.Module):
         self._init_projections(config, quant_config, reduce_results, prefix)
         self._init_rope_and_gate(config, quant_config, prefix)
 
-        self.index_topk = dsa_config.index_topk
+        self.dsa_config: DSAConfig = dsa_config
         self.index_head_dim = dsa_config.index_head_dim
         self.index_num_heads = dsa_config.index_num_heads
         self.index_rope_dim = dsa_config.index_rope_dim
@@ -289,13 +290,7 @@ class KimiK3DSAAttention(nn.Module):
                 f"not exceed min(qk_rope_head_dim={self.qk_rope_head_dim}, "
                 f"index_head_dim={self.index_head_dim})"
             )
-        index_topk_freq = getattr(dsa_config, "index_topk_freq", 1)
-        if index_topk_freq not in (None, 1):
-            raise NotImplementedError(
-                "Kimi-K3.1 DSA does not support index_topk_freq != 1 "
-                f"(index share); dsa_config.index_topk_freq accepts 1 or null, "
-                f"got {index_topk_freq!r}."
-            )
+        check_index_topk_freq(getattr(dsa_config, "index_topk_freq", 1))
 
         vllm_config = get_current_vllm_config()
         self.topk_indices_buffer = self._model_topk_buffer(
@@ -339,6 +334,11 @@ class KimiK3DSAAttention(nn.Module):
         self.aux_stream = aux_stream
         self._gate_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self._packed: list[torch.Tensor] | None = None
+
+    @property
+    def index_topk(self) -> int:
+        """Top-k width, read from ``dsa_config`` (its one home)."""
+        return self.dsa_config.index_topk
 
     def _init_projections(
         self,
@@ -690,6 +690,7 @@ class KimiK3DSAIndexer(nn.Module):
         self.index_head_dim = index_head_dim
         self.index_num_heads = index_num_heads
         self.indexer_weight_scale = self.index_num_heads**-0.5
+        # vLLM's MultiHeadLatentAttentionWrapper reads the indexer's topk_tokens.
         self.topk_tokens = index_topk
         # 0 = no indexer rope; the checkpoint is pair-permuted for neox.
         if index_rope_dim < 0 or index_rope_dim % 2 != 0:

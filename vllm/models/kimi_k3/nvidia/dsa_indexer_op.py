@@ -5,6 +5,9 @@ deterministic top-k (``dsa_ops.canonical_topk``), since vLLM's top-k order and
 tie choice vary run to run and sparse MLA sums in index order."""
 
 import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -381,30 +384,22 @@ def kimi_k3_sparse_attn_indexer(
     return topk_indices_buffer
 
 
-def kimi_k3_sparse_attn_indexer_fake(
-    hidden_states: torch.Tensor,
-    k_cache_prefix: LayerNameType,
-    kv_cache: torch.Tensor,
-    q_quant: torch.Tensor,
-    q_scale: torch.Tensor | None,
-    k: torch.Tensor | None,
-    weights: torch.Tensor,
-    quant_block_size: int,
-    scale_fmt: str,
-    topk_tokens: int,
-    head_dim: int,
-    max_model_len: int,
-    total_seq_lens: int,
-    topk_indices_buffer: torch.Tensor,
-    skip_k_cache_insert: bool,
-    dense_mha_metadata_layer_name: LayerNameType,
-    use_fp4_cache: bool,
-    dcp_rank: int,
-    dcp_world_size: int,
-    cp_kv_cache_interleave_size: int,
-    topk_backend: str,
-) -> torch.Tensor:
-    return topk_indices_buffer
+def _returns_filled_buffer(
+    op: Callable[..., torch.Tensor], buffer: str
+) -> Callable[..., torch.Tensor]:
+    """A fake of ``op`` (its signature) that returns the buffer it fills."""
+    signature = inspect.signature(op)
+
+    def fake(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return signature.bind(*args, **kwargs).arguments[buffer]
+
+    fake.__signature__ = signature  # type: ignore[attr-defined]
+    return fake
+
+
+kimi_k3_sparse_attn_indexer_fake = _returns_filled_buffer(
+    kimi_k3_sparse_attn_indexer, "topk_indices_buffer"
+)
 
 
 direct_register_custom_op(

@@ -44,11 +44,7 @@ def packed_input_rows(
 ) -> int:
     """Rows of ``[q_a | kv_a | wk | weights_proj]`` (2272 for Kimi K3.1)."""
     return (
-        q_lora_rank
-        + kv_lora_rank
-        + qk_rope_head_dim
-        + index_head_dim
-        + (index_num_heads)
+        q_lora_rank + kv_lora_rank + qk_rope_head_dim + index_head_dim + index_num_heads
     )
 
 
@@ -62,13 +58,22 @@ def packed_query_rows(
     return num_local_heads * qk_head_dim + index_num_heads * index_head_dim
 
 
+def _input_shape() -> tuple[int, int]:
+    """The ``(N, K)`` of the packed input weight (replicated)."""
+    return packed_input_rows(), KIMI_K31_HIDDEN_SIZE
+
+
+def _query_shapes() -> list[tuple[int, int]]:
+    """The local ``(N, K)`` of the packed query weight at TP 1/2/4/8."""
+    return [
+        (packed_query_rows(KIMI_K31_NUM_HEADS // tp_size), KERNEL_Q_LORA_RANK)
+        for tp_size in PACKED_TP_SIZES
+    ]
+
+
 def kimi_k31_packed_shapes() -> frozenset[tuple[int, int]]:
     """The local ``(N, K)`` of both packed weights at TP 1/2/4/8."""
-    shapes = {(packed_input_rows(), KIMI_K31_HIDDEN_SIZE)}
-    for tp_size in PACKED_TP_SIZES:
-        rows = packed_query_rows(KIMI_K31_NUM_HEADS // tp_size)
-        shapes.add((rows, KERNEL_Q_LORA_RANK))
-    return frozenset(shapes)
+    return frozenset([_input_shape(), *_query_shapes()])
 
 
 # SkinnyGemmConfig fields, or None where cuBLAS was faster.
@@ -81,14 +86,14 @@ _SM90_QUERY_MEASURED: dict[int, MeasuredConfig] = {
     **dict.fromkeys(range(3, LOW_LATENCY_MAX_TOKENS + 1)),
 }
 _SM90_MEASURED: dict[tuple[int, int], dict[int, MeasuredConfig]] = {
-    (2272, 7168): {
+    _input_shape(): {
         1: (1, 224, 2, 4, 8),
         2: (2, 64, 2, 2, 8),
         3: (3, 64, 2, 2, 8),
         4: (4, 64, 2, 2, 8),
         **dict.fromkeys(range(5, LOW_LATENCY_MAX_TOKENS + 1)),
     },
-    **{(rows, 1536): dict(_SM90_QUERY_MEASURED) for rows in (6400, 8704, 13312, 22528)},
+    **{shape: dict(_SM90_QUERY_MEASURED) for shape in _query_shapes()},
 }
 
 # Capability major -> (N, K) -> M -> measured config; absent keeps the heuristic.

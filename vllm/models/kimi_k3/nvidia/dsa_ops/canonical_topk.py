@@ -7,6 +7,7 @@ run, and sparse MLA accumulates in index order."""
 
 import torch
 
+from vllm.models.kimi_k3.nvidia.dsa_ops._checks import check_one_device
 from vllm.models.kimi_k3.nvidia.dsa_ops._triton import HAS_TRITON, tl, triton
 from vllm.models.kimi_k3.nvidia.dsa_ops.torch_path import (
     canonical_topk_rows,
@@ -43,9 +44,7 @@ def _check_inputs(
             f"{op}: topk_indices must be int32 [{rows}, k > 0], got "
             f"{topk_indices.dtype} {tuple(topk_indices.shape)}"
         )
-    devices = {logits.device, row_lens.device, topk_indices.device}
-    if len(devices) != 1:
-        raise ValueError(f"{op}: inputs are on different devices: {devices}")
+    check_one_device(op, logits, row_lens, topk_indices)
 
 
 if HAS_TRITON:
@@ -192,7 +191,8 @@ def _launch(
     thresh = torch.empty(rows, dtype=torch.float32, device=logits.device)
     counts = torch.empty(rows, 3, dtype=torch.int32, device=logits.device)
     block_k = triton.next_power_of_2(k)
-    _threshold_kernel[(rows,)](
+    # The threshold and write kernels take the same arguments.
+    row_args = (
         logits,
         *logits.stride(),
         row_lens,
@@ -200,10 +200,8 @@ def _launch(
         *topk_indices.stride(),
         thresh,
         counts,
-        K=k,
-        BLOCK_K=block_k,
-        num_warps=4,
     )
+    _threshold_kernel[(rows,)](*row_args, K=k, BLOCK_K=block_k, num_warps=4)
     segments = triton.cdiv(max(logits.shape[1], 1), _SEGMENT)
     _tie_count_kernel[(rows, segments)](
         logits,
@@ -215,15 +213,5 @@ def _launch(
         num_warps=8,
     )
     _write_kernel[(rows,)](
-        logits,
-        *logits.stride(),
-        row_lens,
-        topk_indices,
-        *topk_indices.stride(),
-        thresh,
-        counts,
-        K=k,
-        BLOCK_K=block_k,
-        SCAN_BLOCK=_SCAN_BLOCK,
-        num_warps=8,
+        *row_args, K=k, BLOCK_K=block_k, SCAN_BLOCK=_SCAN_BLOCK, num_warps=8
     )

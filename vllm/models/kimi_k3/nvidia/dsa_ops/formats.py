@@ -11,9 +11,12 @@ from vllm.models.kimi_k3.common.dsa_formats import (
     E2M1_MAX,
     FP8_AMAX_FLOOR,
     FP8_E4M3_MAX,
+    FP32_MIN_NORMAL_EXP,
     MXFP4_AMAX_FLOOR,
     MXFP4_BLOCK_SIZE,
     UE8M0_BIAS,
+    UE8M0_MAX_EXP,
+    UE8M0_MIN_EXP,
     indexer_scale_bytes,
     indexer_value_bytes,
 )
@@ -39,13 +42,14 @@ def ceil_log2(x: torch.Tensor) -> torch.Tensor:
 
 def exp2_int(e: torch.Tensor) -> torch.Tensor:
     """Exact fp32 ``2**e`` of int32 exponents in [-126, 127]."""
-    e = e.to(torch.int32).clamp(-126, 127)
+    e = e.to(torch.int32).clamp(FP32_MIN_NORMAL_EXP, UE8M0_MAX_EXP)
     return ((e + UE8M0_BIAS) << 23).view(torch.float32)
 
 
 def ue8m0_byte(e: torch.Tensor) -> torch.Tensor:
     """UE8M0 byte (biased exponent) of int32 exponents in [-127, 127]."""
-    return (e.to(torch.int32) + UE8M0_BIAS).clamp(0, 254).to(torch.uint8)
+    e = e.to(torch.int32).clamp(UE8M0_MIN_EXP, UE8M0_MAX_EXP)
+    return (e + UE8M0_BIAS).to(torch.uint8)
 
 
 def pack_ue8m0_x4(e: torch.Tensor) -> torch.Tensor:
@@ -130,7 +134,7 @@ def mxfp4_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.float()
     xg = x.unflatten(-1, (x.shape[-1] // MXFP4_BLOCK_SIZE, MXFP4_BLOCK_SIZE))
     amax = xg.abs().amax(-1).clamp_min(MXFP4_AMAX_FLOOR)
-    e = ceil_log2(amax * (1.0 / E2M1_MAX)).clamp(-127, 127)
+    e = ceil_log2(amax * (1.0 / E2M1_MAX)).clamp(UE8M0_MIN_EXP, UE8M0_MAX_EXP)
     nib = e2m1_encode(xg * exp2_int(-e).unsqueeze(-1))
     nib = nib.flatten(-2).to(torch.int32)
     packed = (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8)

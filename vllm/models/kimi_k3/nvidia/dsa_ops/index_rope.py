@@ -10,6 +10,7 @@ in place; ``reference.index_rope`` is the contract.
 
 import torch
 
+from vllm.models.kimi_k3.nvidia.dsa_ops._checks import check_one_device
 from vllm.models.kimi_k3.nvidia.dsa_ops._triton import HAS_TRITON, tl, triton
 from vllm.models.kimi_k3.nvidia.dsa_ops.torch_path import (
     rope_cos_sin,
@@ -61,9 +62,7 @@ def _check_inputs(
             f"index_rope: rope_dim ({rope_dim}) needs {rope_dim // 2} frequencies; "
             f"the cache has {cos_sin_cache.shape[1] // 2}"
         )
-    devices = {index_q.device, index_k.device, positions.device, cos_sin_cache.device}
-    if len(devices) != 1:
-        raise ValueError(f"index_rope: inputs are on different devices: {devices}")
+    check_one_device("index_rope", index_q, index_k, positions, cos_sin_cache)
 
 
 if HAS_TRITON:

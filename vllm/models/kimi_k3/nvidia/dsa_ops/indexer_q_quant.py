@@ -17,8 +17,11 @@ Padded heads get zero codes and zero weights. ``reference.indexer_q_quant`` is
 the contract the kernels are tested against.
 """
 
+from typing import Any
+
 import torch
 
+from vllm.models.kimi_k3.common import dsa_formats
 from vllm.models.kimi_k3.common.dsa_formats import (
     DEEPGEMM_INDEX_HEADS,
     E2M1_MAX,
@@ -83,6 +86,11 @@ def _check_inputs(
 # Triton kernels.
 
 if HAS_TRITON:
+    # The fp32 exponent field and the UE8M0 byte, as the kernels see them.
+    BIAS = tl.constexpr(dsa_formats.UE8M0_BIAS)
+    MAX_EXP = tl.constexpr(dsa_formats.UE8M0_MAX_EXP)
+    MIN_EXP = tl.constexpr(dsa_formats.UE8M0_MIN_EXP)
+    MIN_NORMAL_EXP = tl.constexpr(dsa_formats.FP32_MIN_NORMAL_EXP)
 
     @triton.jit
     def _ceil_log2_fp32(x):
@@ -91,13 +99,13 @@ if HAS_TRITON:
         bits = x.to(tl.int32, bitcast=True)
         exp_field = (bits >> 23) & 0xFF
         frac = bits & 0x7FFFFF
-        return exp_field - 127 + (frac != 0).to(tl.int32)
+        return exp_field - BIAS + (frac != 0).to(tl.int32)
 
     @triton.jit
     def _exp2_int(e):
         """Exact fp32 2**e of int32 exponents in [-126, 127]."""
-        e = tl.minimum(tl.maximum(e, -126), 127)
-        return ((e + 127) << 23).to(tl.float32, bitcast=True)
+        e = tl.minimum(tl.maximum(e, MIN_NORMAL_EXP), MAX_EXP)
+        return ((e + BIAS) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _q_fp8_fold_weights_kernel(
@@ -218,7 +226,7 @@ if HAS_TRITON:
         amax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
         amax = tl.maximum(amax, AMAX_FLOOR)
         e = _ceil_log2_fp32(amax * INV_E2M1_MAX)
-        e = tl.minimum(tl.maximum(e, -127), 127)
+        e = tl.minimum(tl.maximum(e, MIN_EXP), MAX_EXP)
         inv = _exp2_int(-e)[:, :, None]
         packed = _e2m1_nibble(lo * inv) | (_e2m1_nibble(hi * inv) << 4)
 
@@ -235,7 +243,7 @@ if HAS_TRITON:
             + heads[:, None] * NUM_BLOCKS
             + blocks[None, :]
         )
-        tl.store(scale_out_ptr + s_off, (e + 127).to(tl.uint8), mask=h_out[:, None])
+        tl.store(scale_out_ptr + s_off, (e + BIAS).to(tl.uint8), mask=h_out[:, None])
         tl.store(
             w_out_ptr + tok * PADDED_HEADS + heads,
             w.to(tl.float32) * weight_scale,
@@ -314,41 +322,63 @@ mxfp4_q_quant = mxfp4_variant(
 )
 
 
+def _launch(
+    kernel: Any,
+    q_arg: torch.Tensor,
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    outputs: tuple[torch.Tensor, ...],
+    weight_scale: float,
+    padded_heads: int,
+    **meta: Any,
+) -> None:
+    """One program per (token, block of heads); ``q_arg`` is ``index_q`` or a
+    view of it that the kernel reads."""
+    num_tokens, num_heads, head_dim = index_q.shape
+    if num_tokens == 0:
+        return
+    block_h = _block_h(num_tokens, padded_heads)
+    kernel[(num_tokens, padded_heads // block_h)](
+        q_arg,
+        *q_arg.stride(),
+        index_weights,
+        *index_weights.stride(),
+        *outputs,
+        float(weight_scale),
+        num_heads,
+        PADDED_HEADS=padded_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        num_warps=_NUM_WARPS,
+        **meta,
+    )
+
+
 def _fp8_q_quant_triton(
     index_q: torch.Tensor,
     index_weights: torch.Tensor,
     weight_scale: float,
     padded_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    num_tokens, num_heads, head_dim = index_q.shape
+    num_tokens, _, head_dim = index_q.shape
+    device = index_q.device
     q_fp8 = torch.empty(
-        (num_tokens, padded_heads, head_dim),
-        dtype=torch.float8_e4m3fn,
-        device=index_q.device,
+        (num_tokens, padded_heads, head_dim), dtype=torch.float8_e4m3fn, device=device
     )
     weights = torch.empty(
-        (num_tokens, padded_heads), dtype=torch.float32, device=index_q.device
+        (num_tokens, padded_heads), dtype=torch.float32, device=device
     )
-    if num_tokens == 0:
-        return q_fp8, weights
-    block_h = _block_h(num_tokens, padded_heads)
-    grid = (num_tokens, padded_heads // block_h)
-    _q_fp8_fold_weights_kernel[grid](
+    _launch(
+        _q_fp8_fold_weights_kernel,
         index_q,
-        *index_q.stride(),
+        index_q,
         index_weights,
-        *index_weights.stride(),
-        q_fp8,
-        weights,
-        float(weight_scale),
-        num_heads,
-        PADDED_HEADS=padded_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_H=block_h,
+        (q_fp8, weights),
+        weight_scale,
+        padded_heads,
         BLOCK_D=triton.next_power_of_2(head_dim),
         AMAX_FLOOR=FP8_AMAX_FLOOR,
         FP8_MAX=FP8_E4M3_MAX,
-        num_warps=_NUM_WARPS,
     )
     return q_fp8, weights
 
@@ -359,7 +389,7 @@ def _mxfp4_q_quant_triton(
     weight_scale: float,
     padded_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    num_tokens, num_heads, head_dim = index_q.shape
+    num_tokens, _, head_dim = index_q.shape
     device = index_q.device
     q_packed = torch.empty(
         (num_tokens, padded_heads, head_dim // 2), dtype=torch.uint8, device=device
@@ -368,29 +398,18 @@ def _mxfp4_q_quant_triton(
     weights = torch.empty(
         (num_tokens, padded_heads), dtype=torch.float32, device=device
     )
-    if num_tokens == 0:
-        return q_packed, q_scale, weights
-    block_h = _block_h(num_tokens, padded_heads)
-    grid = (num_tokens, padded_heads // block_h)
     pairs = _as_bf16_pairs(index_q)
-    q_arg = index_q if pairs is None else pairs
-    _q_mxfp4_kernel[grid](
-        q_arg,
-        *q_arg.stride(),
+    _launch(
+        _q_mxfp4_kernel,
+        index_q if pairs is None else pairs,
+        index_q,
         index_weights,
-        *index_weights.stride(),
-        q_packed,
-        q_scale.view(torch.uint8),
-        weights,
-        float(weight_scale),
-        num_heads,
-        PADDED_HEADS=padded_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_H=block_h,
+        (q_packed, q_scale.view(torch.uint8), weights),
+        weight_scale,
+        padded_heads,
         MX_BLOCK=MXFP4_BLOCK_SIZE,
         AMAX_FLOOR=MXFP4_AMAX_FLOOR,
         INV_E2M1_MAX=1.0 / E2M1_MAX,
         BF16_PAIRS=pairs is not None,
-        num_warps=_NUM_WARPS,
     )
     return q_packed, q_scale, weights
