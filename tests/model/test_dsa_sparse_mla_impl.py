@@ -3,9 +3,10 @@
 """The DSA layers' FlashMLA sparse impl on the CPU: a layer built through
 vLLM's MLA wrapper gets :class:`KimiK3FlashMLASparseImpl`; below 64 heads its
 fp8 kernel entry runs ``sparse_mla_fp8`` (its torch path here) with
-FlashMLA's shapes; at 64 heads, under DCP's LSE merge and with the switch set
-it is FlashMLA's, padded as vLLM pads. FlashMLA itself is stubbed (a CPU
-cannot run it), and so is the sparse backend selection (``dsa_layer_env``)."""
+FlashMLA's shapes; at 64 heads, under DCP's LSE merge, with the switch set and
+in the wrapper forward it is FlashMLA's, padded as vLLM pads. FlashMLA itself
+is stubbed (a CPU cannot run it), and so is the sparse backend selection
+(``dsa_layer_env``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ import torch
 from layer_builders import build
 
 from vllm.models.kimi_k3.common.dsa_cache import KimiK3FlashMLASparseBackend
-from vllm.models.kimi_k3.common.dsa_envs import SPARSE_MLA_PADDED_ENV
+from vllm.models.kimi_k3.common.dsa_envs import (
+    FORCE_WRAPPER_ENV,
+    SPARSE_MLA_PADDED_ENV,
+)
 from vllm.models.kimi_k3.nvidia.dsa_ops.formats import fp8_ds_mla_entry
 from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (
     QK_DIM,
@@ -79,6 +83,7 @@ def test_dsa_layer_gets_our_impl(impl) -> None:
 
 def test_few_heads_run_unpadded(impl, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SPARSE_MLA_PADDED_ENV, raising=False)
+    monkeypatch.delenv(FORCE_WRAPPER_ENV, raising=False)
     calls = _stub_flashmla(monkeypatch)
     q, cache, slots = _inputs(impl.num_heads)
     out, lse = impl._fp8_flash_mla_kernel(
@@ -93,15 +98,18 @@ def test_few_heads_run_unpadded(impl, monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.isneginf(lse[0, :, -1]).all() and (out[0, -1] == 0).all()
 
 
-@pytest.mark.parametrize("why", ["64 heads", "dcp", "switch"])
+@pytest.mark.parametrize("why", ["64 heads", "dcp", "switch", "wrapper"])
 def test_flashmla_keeps_the_rest(impl, why: str, monkeypatch) -> None:
     monkeypatch.delenv(SPARSE_MLA_PADDED_ENV, raising=False)
+    monkeypatch.delenv(FORCE_WRAPPER_ENV, raising=False)
     calls = _stub_flashmla(monkeypatch)
     heads = 64 if why == "64 heads" else impl.num_heads
     if why == "dcp":
         monkeypatch.setattr(impl, "need_to_return_lse_for_decode", True)
     if why == "switch":
         monkeypatch.setenv(SPARSE_MLA_PADDED_ENV, "1")
+    if why == "wrapper":
+        monkeypatch.setenv(FORCE_WRAPPER_ENV, "1")
     q, cache, slots = _inputs(heads)
     out, lse = impl._fp8_flash_mla_kernel(
         q=q, kv_c_and_k_pe_cache=cache, topk_indices=slots, kernel_metadata=_Meta()

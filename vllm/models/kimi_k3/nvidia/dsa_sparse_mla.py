@@ -7,7 +7,8 @@ FlashMLA's fp8 sparse kernel takes 64 or 128 query heads, so vLLM pads a
 TP 8 rank's 12 heads to 64, and below 32 heads sends prefill rows through
 that kernel too (its mixed batch). :func:`sparse_mla_fp8` reads the same
 pages and top-k slots at the real head count. DCP (which merges the
-kernel's LSE across ranks) and 64 or more heads keep FlashMLA.
+kernel's LSE across ranks), 64 or more heads and the wrapper forward
+(upstream ops only) keep FlashMLA.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from __future__ import annotations
 import torch
 
 from vllm.logger import init_logger
-from vllm.models.kimi_k3.common.dsa_envs import sparse_mla_padded_forced
+from vllm.models.kimi_k3.common.dsa_envs import (
+    force_wrapper_forward,
+    sparse_mla_padded_forced,
+)
 from vllm.models.kimi_k3.common.dsa_formats import DS_MLA_ENTRY_BYTES
 from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import sparse_mla_fp8
 from vllm.v1.attention.backends.mla.flashmla_sparse import (
@@ -46,6 +50,7 @@ class KimiK3FlashMLASparseImpl(FlashMLASparseImpl):
             and cache.shape[-1] == DS_MLA_ENTRY_BYTES
             and not self.need_to_return_lse_for_decode
             and not sparse_mla_padded_forced()
+            and not force_wrapper_forward()
         )
 
     def _fp8_flash_mla_kernel(
