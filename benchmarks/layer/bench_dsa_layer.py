@@ -289,9 +289,20 @@ def measure(
     device: torch.device,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """Build one point, time it (and profile it), and free it."""
+    """Build one point, time it (and profile it), and free it, under its
+    variant's switches (a layer reads them when built)."""
+    with C.variant(kind):
+        return _measure(kind, spec, cfg, device, args)
+
+
+def _measure(
+    kind: str,
+    spec: S.Spec,
+    cfg: Any,
+    device: torch.device,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     shared = kind in SHARED_LAYERS
-    swap = C.variant(kind)
     kind = C.base_kind(I.base_kind(kind))
     bench = S.setup(kind, spec, cfg, device)
     try:
@@ -306,7 +317,7 @@ def measure(
             out["indexer_tp"] = args.indexer_tp
             out["indexer_rows_by_rank"] = I.share_prefill_rows(bench, args.indexer_tp)
             exchange = I.stand_in_row_exchange(args.indexer_tp)
-        with exchange as exchanged, swap:
+        with exchange as exchanged:
             median, eager_reason = S.under_env(kind, time_step, bench, args.reps)
             if args.profile:
                 stages = S.under_env(kind, profile_step, bench)

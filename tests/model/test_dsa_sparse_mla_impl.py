@@ -2,11 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The DSA layers' FlashMLA sparse impl on the CPU: a layer built through
 vLLM's MLA wrapper gets :class:`KimiK3FlashMLASparseImpl`; below 64 heads its
-fp8 kernel entry runs ``sparse_mla_fp8`` (its torch path here) with
-FlashMLA's shapes; at 64 heads, under DCP's LSE merge, with the switch set and
-in the wrapper forward it is FlashMLA's, padded as vLLM pads. FlashMLA itself
-is stubbed (a CPU cannot run it), and so is the sparse backend selection
-(``dsa_layer_env``)."""
+fp8 kernel entry runs ``sparse_mla_fp8`` (its torch path here) with FlashMLA's
+shapes; at 64 heads, under DCP's LSE merge, with the switch set and in the
+wrapper forward (each read when the layer is built) it is FlashMLA's, padded
+as vLLM pads. FlashMLA itself is stubbed (a CPU cannot run it), and so is the
+sparse backend selection (``dsa_layer_env``)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,18 @@ TOPK = 40
 SCALE = 1 / math.sqrt(192)
 
 
-@pytest.fixture
-def impl(dsa_layer_env) -> KimiK3FlashMLASparseImpl:
-    layer = build(dsa_layer_env)
-    attn = layer.mla_attn.mla_attn
+def _built_impl(env) -> KimiK3FlashMLASparseImpl:
+    """The impl of a DSA layer built now (its switches read now)."""
+    attn = build(env).mla_attn.mla_attn
     assert attn.attn_backend is KimiK3FlashMLASparseBackend
     return attn.impl
+
+
+@pytest.fixture
+def impl(dsa_layer_env, monkeypatch: pytest.MonkeyPatch) -> KimiK3FlashMLASparseImpl:
+    monkeypatch.delenv(SPARSE_MLA_PADDED_ENV, raising=False)
+    monkeypatch.delenv(FORCE_WRAPPER_ENV, raising=False)
+    return _built_impl(dsa_layer_env)
 
 
 def _inputs(heads: int, tokens: int = 5, seed: int = 0):
@@ -79,11 +85,10 @@ def test_dsa_layer_gets_our_impl(impl) -> None:
     assert type(impl) is KimiK3FlashMLASparseImpl
     assert impl.kv_cache_dtype == "fp8_ds_mla"
     assert impl.num_heads < impl.fp8_decode_padded_heads == 64
+    assert impl.runs_unpadded
 
 
 def test_few_heads_run_unpadded(impl, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(SPARSE_MLA_PADDED_ENV, raising=False)
-    monkeypatch.delenv(FORCE_WRAPPER_ENV, raising=False)
     calls = _stub_flashmla(monkeypatch)
     q, cache, slots = _inputs(impl.num_heads)
     out, lse = impl._fp8_flash_mla_kernel(
@@ -99,32 +104,33 @@ def test_few_heads_run_unpadded(impl, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("why", ["64 heads", "dcp", "switch", "wrapper"])
-def test_flashmla_keeps_the_rest(impl, why: str, monkeypatch) -> None:
+def test_flashmla_keeps_the_rest(dsa_layer_env, why: str, monkeypatch) -> None:
     monkeypatch.delenv(SPARSE_MLA_PADDED_ENV, raising=False)
     monkeypatch.delenv(FORCE_WRAPPER_ENV, raising=False)
-    calls = _stub_flashmla(monkeypatch)
-    heads = 64 if why == "64 heads" else impl.num_heads
-    if why == "dcp":
-        monkeypatch.setattr(impl, "need_to_return_lse_for_decode", True)
     if why == "switch":
         monkeypatch.setenv(SPARSE_MLA_PADDED_ENV, "1")
     if why == "wrapper":
         monkeypatch.setenv(FORCE_WRAPPER_ENV, "1")
-    q, cache, slots = _inputs(heads)
+    impl = _built_impl(dsa_layer_env)
+    if why == "64 heads":
+        monkeypatch.setattr(impl, "num_heads", 64)
+    if why == "dcp":
+        monkeypatch.setattr(impl, "need_to_return_lse_for_decode", True)
+    KimiK3FlashMLASparseImpl.adopt(impl)  # decided again for the change above
+    assert not impl.runs_unpadded
+    calls = _stub_flashmla(monkeypatch)
+    q, cache, slots = _inputs(impl.num_heads)
     out, lse = impl._fp8_flash_mla_kernel(
         q=q, kv_c_and_k_pe_cache=cache, topk_indices=slots, kernel_metadata=_Meta()
     )
     assert calls == [(1, q.shape[1], 64, QK_DIM)]
-    assert out.shape == (1, q.shape[1], heads, 512)
+    assert out.shape == (1, q.shape[1], impl.num_heads, 512)
 
 
-def test_bad_switch_is_refused(impl, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_switch_is_refused(dsa_layer_env, monkeypatch) -> None:
     monkeypatch.setenv(SPARSE_MLA_PADDED_ENV, "yes")
-    q, cache, slots = _inputs(impl.num_heads)
     with pytest.raises(ValueError, match=f"{SPARSE_MLA_PADDED_ENV}='yes'"):
-        impl._fp8_flash_mla_kernel(
-            q=q, kv_c_and_k_pe_cache=cache, topk_indices=slots, kernel_metadata=None
-        )
+        _built_impl(dsa_layer_env)
 
 
 def test_adopt_leaves_other_impls_alone() -> None:

@@ -20,7 +20,6 @@ from vllm.models.kimi_k3.common.dsa_envs import (
     force_wrapper_forward,
     sparse_mla_padded_forced,
 )
-from vllm.models.kimi_k3.common.dsa_formats import DS_MLA_ENTRY_BYTES
 from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import sparse_mla_fp8
 from vllm.v1.attention.backends.mla.flashmla_sparse import (
     FlashMLASparseImpl,
@@ -33,25 +32,32 @@ logger = init_logger(__name__)
 class KimiK3FlashMLASparseImpl(FlashMLASparseImpl):
     """FlashMLA sparse, whose fp8 kernel runs unpadded below 64 heads."""
 
+    # Decided once, when the layer adopts the impl (the switches are read
+    # when a layer is built, as the fused forward's are).
+    runs_unpadded: bool = False
+
     @classmethod
     def adopt(cls, impl: FlashMLASparseImpl) -> FlashMLASparseImpl:
-        """``impl`` as this class: vLLM's MLA wrapper builds the layer's
-        impl from the backend it selects, before the layer can hand it ours.
-        Only the class changes (this one adds no state)."""
-        if type(impl) is FlashMLASparseImpl:
-            impl.__class__ = cls
-        return impl
-
-    def runs_few_head_kernel(self, num_heads: int, cache: torch.Tensor) -> bool:
-        """Whether the fp8 attention of ``num_heads`` query heads over
-        ``cache`` runs :func:`sparse_mla_fp8` rather than FlashMLA."""
-        return (
-            num_heads < self.fp8_decode_padded_heads
-            and cache.shape[-1] == DS_MLA_ENTRY_BYTES
-            and not self.need_to_return_lse_for_decode
+        """``impl`` as this class, with its kernel chosen: vLLM's MLA wrapper
+        builds the layer's impl from the backend it selects, before the layer
+        can hand it ours."""
+        if not isinstance(impl, FlashMLASparseImpl):
+            return impl
+        impl.__class__ = cls
+        impl.runs_unpadded = (
+            impl.num_heads < impl.fp8_decode_padded_heads
+            and impl.kv_cache_dtype == "fp8_ds_mla"
+            and not impl.need_to_return_lse_for_decode
             and not sparse_mla_padded_forced()
             and not force_wrapper_forward()
         )
+        if impl.runs_unpadded:
+            logger.info_once(
+                "Kimi-K3.1 DSA: sparse MLA at %d heads a rank without padding "
+                "(sparse_mla_fp8).",
+                impl.num_heads,
+            )
+        return impl
 
     def _fp8_flash_mla_kernel(
         self,
@@ -62,16 +68,11 @@ class KimiK3FlashMLASparseImpl(FlashMLASparseImpl):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q [B, S, H, 576], the cache's 64-token pages, topk [B, S, k] slots;
         # returns out [B, S, H, 512] and lse [B, H, S], as FlashMLA does.
-        batch, steps, heads, dim = q.shape
-        if not self.runs_few_head_kernel(heads, kv_c_and_k_pe_cache):
+        if not self.runs_unpadded:
             return super()._fp8_flash_mla_kernel(
                 q, kv_c_and_k_pe_cache, topk_indices, kernel_metadata
             )
-        logger.info_once(
-            "Kimi-K3.1 DSA: sparse MLA at %d heads a rank without padding "
-            "(sparse_mla_fp8).",
-            heads,
-        )
+        batch, steps, heads, dim = q.shape
         out, lse = sparse_mla_fp8(
             q.reshape(batch * steps, heads, dim),
             kv_c_and_k_pe_cache.view(torch.uint8),
