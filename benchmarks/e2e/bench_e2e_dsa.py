@@ -346,6 +346,18 @@ def engine_kwargs(model: str, max_len: int, args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "disable_log_stats": False,
         "seed": args.start,
+        **parallel_kwargs(args),
+    }
+
+
+def parallel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's parallel layout: TP N, each rank 96 / N MLA heads and the
+    indexer whole. DP attention needs one engine process a rank, which
+    ``vllm.LLM`` refuses: serve it (``vllm serve``) and drive it with
+    ``vllm bench serve``."""
+    return {
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
     }
 
 
@@ -487,6 +499,8 @@ def engine_command(
         "--kv-cache-gib", str(args.kv_cache_gib),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--mtp-tokens", str(args.mtp_tokens),
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
+        *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
         "--rows", *rows,
     ]  # fmt: skip
 
@@ -528,6 +542,10 @@ def drive(args: argparse.Namespace) -> int:
         )
     shape = checkpoint_shape(args.attention_blocks, args.one_rank_of_tp)
     print(f"checkpoint: {shape}")
+    print(
+        f"parallel: TP {args.tensor_parallel_size}"
+        + (", EP" if args.enable_expert_parallel else "")
+    )
     print(
         "tokens prefilled per engine: "
         f"{sum(r.prefill_tokens for r in rows) * (args.iters + 1):,}"
@@ -593,6 +611,8 @@ def vllm_bench_latency_command(
         "--num-iters-warmup", str(LATENCY_WARMUP_ITERS),
         "--num-iters", str(args.iters),
         "--output-json", str(out_json),
+        "--tensor-parallel-size", str(kwargs["tensor_parallel_size"]),
+        *(["--enable-expert-parallel"] if kwargs["enable_expert_parallel"] else []),
     ]  # fmt: skip
 
 
@@ -651,6 +671,20 @@ def print_latency_summary(results: list[dict[str, Any]]) -> None:
         )
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="vLLM's tensor_parallel_size for every engine (TP 8: 12 MLA heads a rank)",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="vLLM's enable_expert_parallel (the MoE across the TP ranks)",
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command")
@@ -665,6 +699,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--max-num-batched-tokens", type=int, required=True)
     e.add_argument("--mtp-tokens", type=int, required=True)
     e.add_argument("--rows", nargs="+", required=True)
+    add_parallel_args(e)
     m = sub.add_parser("summarize", help="summarize records.jsonl files")
     m.add_argument("records", nargs="+")
     m.add_argument("--markdown", action="store_true")
@@ -730,6 +765,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(one engine each; --iters its iterations after one warm-up) instead of "
         "the driver's loop",
     )
+    add_parallel_args(p)
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     for name in (
@@ -740,6 +776,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "max_num_batched_tokens",
         "attention_blocks",
         "mtp_tokens",
+        "tensor_parallel_size",
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -758,6 +795,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(
                 f"--one-rank-of-tp {rank}: give a TP size that divides Kimi "
                 f"K3.1's 96 MLA and KDA heads: {sizes}"
+            )
+        tp = args.tensor_parallel_size
+        if tp > 1 and tp not in ONE_RANK_TP_SIZES:
+            sizes = ", ".join(map(str, ONE_RANK_TP_SIZES))
+            p.error(
+                f"--tensor-parallel-size {tp}: give a size that divides Kimi "
+                f"K3.1's 96 MLA and KDA heads: {sizes}"
+            )
+        if tp > 1 and rank is not None:
+            p.error(
+                "--one-rank-of-tp serves one rank's checkpoint at TP 1: give it "
+                "or --tensor-parallel-size, not both"
             )
     if args.command != "engine" and args.vllm_bench_latency and "mtp" in args.modes:
         p.error("--vllm-bench-latency runs the fused, wrapper and dense modes only")

@@ -160,7 +160,7 @@ def test_mtp_mode_drafts_with_the_multimodal_checkpoint() -> None:
 
     args = argparse.Namespace(
         mode="mtp", mtp_tokens=3, kv_cache_gib=1.0, max_num_batched_tokens=8192,
-        start=0,
+        start=0, tensor_parallel_size=1, enable_expert_parallel=False,
     )  # fmt: skip
     kwargs = E.engine_kwargs("ckpt", 4096, args)
     assert kwargs["speculative_config"] == {
@@ -234,8 +234,10 @@ ONE_RANK_AT_DEPTH = ["--attention-blocks", "24", "--one-rank-of-tp", "8"]
         ([], 6),
         (["--attention-blocks", "4", "--kv-cache-gib", "24"], 24),
         ([*ONE_RANK_AT_DEPTH, "--kv-cache-gib", "24"], 24),
+        (["--tensor-parallel-size", "8"], 6),
+        (["--tensor-parallel-size", "8", "--enable-expert-parallel"], 6),
     ],
-    ids=["one-block", "four-blocks", "one-rank-of-tp8"],
+    ids=["one-block", "four-blocks", "one-rank-of-tp8", "tp8", "tp8-ep"],
 )
 def test_engine_arguments_pass_vllms_configuration(
     tmp_path: Path, engine_config, argv: list[str], kv_gib: int
@@ -269,9 +271,12 @@ def test_engine_arguments_pass_vllms_configuration(
         assert text.linear_attn_config["full_attn_layers"] == [
             4 * (b + 1) for b in range(blocks)
         ]
-        heads = 96 // (args.one_rank_of_tp or 1)
-        assert cfg.model_config.get_num_attention_heads(cfg.parallel_config) == heads
-        assert cfg.parallel_config.tensor_parallel_size == 1
+        tp = args.tensor_parallel_size
+        heads = 96 // (args.one_rank_of_tp or tp)
+        parallel = cfg.parallel_config
+        assert cfg.model_config.get_num_attention_heads(parallel) == heads
+        assert parallel.tensor_parallel_size == tp
+        assert parallel.enable_expert_parallel == args.enable_expert_parallel
 
 
 def test_mtp_engine_arguments_pass_vllms_configuration(
@@ -337,6 +342,57 @@ def test_vllm_bench_latency_gets_the_drivers_engine(
     )
     assert cfg.model_config.hf_text_config.vocab_size == 10240
     assert cfg.model_config.max_model_len == max_len
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        ["--tensor-parallel-size", "8"],
+        ["--tensor-parallel-size", "8", "--enable-expert-parallel"],
+    ],
+    ids=["tp8", "tp8-ep"],
+)
+def test_the_parallel_layout_reaches_every_engine(
+    tmp_path: Path, parallel: list[str]
+) -> None:
+    """The driver's loop and ``vllm bench latency`` get the same layout."""
+    from vllm.benchmarks.latency import add_cli_args
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = E.parse_args(["--input-lens", "8192", "--batch-sizes", "1", *parallel])
+    args.planned_rows = E.plan_rows(args.input_lens, args.batch_sizes, 10**9)[0]
+    cmd = E.engine_command(args, "fused", 0, tmp_path / "m", tmp_path / "r.jsonl")
+    engine = E.parse_args(cmd[2:])
+    expected = E.parallel_kwargs(args)
+    assert E.parallel_kwargs(engine) == expected
+    command = E.vllm_bench_latency_command(
+        args, tmp_path / "m", E.Row(8192, 1), start=0, out_json=tmp_path / "l.json"
+    )
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(command[5:]))
+    for key, value in expected.items():
+        assert getattr(engine_args, key) == value, key
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tensor-parallel-size", "5"], "--tensor-parallel-size 5: give a size"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1"),
+        (
+            ["--tensor-parallel-size", "8", "--one-rank-of-tp", "8"],
+            "give it or --tensor-parallel-size, not both",
+        ),
+    ],
+)
+def test_bad_parallel_layouts_are_refused(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit):
+        E.parse_args(["--dry-run", *argv])
+    assert message in capsys.readouterr().err
 
 
 def test_vllm_bench_latency_needs_its_prompt_ids_in_the_vocabulary(
