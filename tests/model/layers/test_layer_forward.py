@@ -254,7 +254,8 @@ def test_fused_attention_composition(dsa_layer_env, extension, monkeypatch):
     assert args[9] is indexer.topk_indices_buffer
     assert args[10:] == (None, None, None, None)  # dummy run: no caches
     assert indexer.use_fp4_cache is False
-    assert calls["prologue_kwargs"] == {}
+    # The fp8 scale word is vLLM's choice for this platform (fp32 off SM10x).
+    assert calls["prologue_kwargs"] == {"mx_scales": False}
 
     score_hidden, index_q, index_weights, score_k = calls["score"]
     assert score_hidden is hidden and score_k is None
@@ -427,3 +428,12 @@ def test_fused_insert_needs_the_extension(dsa_layer_env, monkeypatch):
     monkeypatch.setattr(dsa_cache, "kimi_k3_indexer_uses_fp4", lambda cfg: True)
     with pytest.raises(NotImplementedError, match="vllm._kimi_k3_C extension built"):
         build_indexer(dsa_layer_env)
+
+
+@pytest.mark.parametrize("sm10x", [False, True])
+def test_key_writers_take_vllms_scale_word(monkeypatch, sm10x):
+    """fp8 keys carry the scale word vLLM's DeepGEMM reads on this platform
+    (``mqa_logits_use_mx_scales``); MXFP4 keys take no scale choice."""
+    monkeypatch.setattr(D, "mqa_logits_use_mx_scales", lambda: sm10x)
+    assert D.key_format_kwargs(False) == {"mx_scales": sm10x}
+    assert D.key_format_kwargs(True) == {}

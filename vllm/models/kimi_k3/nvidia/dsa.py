@@ -68,6 +68,7 @@ from vllm.models.kimi_k3.nvidia.mla import (
 )
 from vllm.platforms import current_platform
 from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
 from vllm.utils.multi_stream_utils import maybe_execute_in_parallel
 from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.attention.backends.mla import indexer as v32_indexer
@@ -188,29 +189,29 @@ def fused_forward_blockers(layer: nn.Module) -> list[str]:
     return blockers
 
 
-def fused_k_insert_blockers(
-    use_pcp: bool,
-    index_k_norm_type: str,
-    index_rope_dim: int,
-    index_head_dim: int,
-    index_num_heads: int,
-) -> list[str]:
+def fused_k_insert_blockers(indexer: KimiK3DSAIndexer) -> list[str]:
     """Why the indexer cannot use our fused key insert (empty: it can)."""
     blockers = []
     if force_wrapper_forward():
         blockers.append(f"{FORCE_WRAPPER_ENV}=1")
-    if use_pcp:
+    if indexer.use_pcp:
         blockers.append("prefill context parallelism")
-    if index_k_norm_type != "layernorm":
-        blockers.append(f"index_k_norm_type {index_k_norm_type!r}")
-    if index_rope_dim != 0:
-        blockers.append(f"index_rope_dim {index_rope_dim}")
-    blockers += k_insert_unsupported(index_head_dim, index_num_heads)
+    if not isinstance(indexer.k_index_norm, KimiK3DSAIndexerKNorm):
+        blockers.append("index_k_norm_type 'rmsnorm'")
+    if indexer.index_rope_dim != 0:
+        blockers.append(f"index_rope_dim {indexer.index_rope_dim}")
+    blockers += k_insert_unsupported(indexer.index_head_dim, indexer.index_num_heads)
     if not blockers and not kimi_k3_extension_available():
         blockers.append(
             dsa_extension.unavailable_reason() or "vllm._kimi_k3_C not available"
         )
     return blockers
+
+
+def key_format_kwargs(fp4: bool) -> dict[str, bool]:
+    """The key writers' format arguments: fp8 scales in the word vLLM's
+    DeepGEMM reads (MXFP4 keys have one scale format)."""
+    return {} if fp4 else {"mx_scales": mqa_logits_use_mx_scales()}
 
 
 def _upstream_init_dcp_topk_merge() -> Any:
@@ -634,6 +635,7 @@ class KimiK3DSAAttention(nn.Module):
             k_norm.eps,
             topk_indices_buffer,
             *caches,
+            **key_format_kwargs(indexer.use_fp4_cache),
         )
 
         q, index_q = low_latency_linear(q_c, query_weight).split(
@@ -756,13 +758,7 @@ class KimiK3DSAIndexer(nn.Module):
         self.dense_mha_metadata_layer_name = ""
         self.topk_backend = vllm_config.kernel_config.sparse_indexer_topk_backend
         # Without the fused insert 0.33.0's op inserts the key (fp8 only).
-        self.k_insert_blockers = fused_k_insert_blockers(
-            self.use_pcp,
-            index_k_norm_type,
-            index_rope_dim,
-            index_head_dim,
-            index_num_heads,
-        )
+        self.k_insert_blockers = fused_k_insert_blockers(self)
         self.use_fused_k_insert = not self.k_insert_blockers
         if self.k_insert_blockers:
             logger.info_once(
@@ -871,6 +867,7 @@ class KimiK3DSAIndexer(nn.Module):
             kv_cache,
             topk_indices_buffer,
             num_tokens,
+            **key_format_kwargs(self.use_fp4_cache),
         )
 
     def forward(

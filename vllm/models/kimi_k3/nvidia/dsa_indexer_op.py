@@ -7,7 +7,7 @@ tie choice vary run to run and sparse MLA sums in index order."""
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,18 +58,25 @@ def decode_row_lens(seq_lens: torch.Tensor, next_n: int, rows: int) -> torch.Ten
     return lens.clamp_(min=0).reshape(-1)[:rows].to(torch.int32)
 
 
+class _Scoring(NamedTuple):
+    """What prefill and decode scoring share: the quantized query rows, the
+    key cache's format and the top-k buffer they fill."""
+
+    q_quant: torch.Tensor
+    q_scale: torch.Tensor | None
+    weights: torch.Tensor
+    kv_cache: torch.Tensor
+    head_dim: int
+    use_fp4_cache: bool
+    topk_indices_buffer: torch.Tensor
+    topk_tokens: int
+
+
 def _score_prefill(
-    metadata: DeepseekV32IndexerMetadata,
-    kv_cache: torch.Tensor,
-    q_quant: torch.Tensor,
-    q_scale: torch.Tensor | None,
-    weights: torch.Tensor,
-    topk_tokens: int,
-    head_dim: int,
-    total_seq_lens: int,
-    topk_indices_buffer: torch.Tensor,
-    use_fp4_cache: bool,
+    metadata: DeepseekV32IndexerMetadata, scoring: _Scoring, total_seq_lens: int
 ) -> None:
+    q_quant, q_scale, weights, kv_cache, head_dim, use_fp4_cache = scoring[:6]
+    topk_indices_buffer, topk_tokens = scoring.topk_indices_buffer, scoring.topk_tokens
     prefill = metadata.prefill
     assert prefill is not None
     values_spec, scales_spec = upstream._gather_workspace_shapes(
@@ -181,17 +188,12 @@ def gather_decode_topk(local: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 
 def _score_decode(
     metadata: DeepseekV32IndexerMetadata,
-    kv_cache: torch.Tensor,
-    q_quant: torch.Tensor,
-    q_scale: torch.Tensor | None,
-    weights: torch.Tensor,
-    topk_tokens: int,
-    head_dim: int,
+    scoring: _Scoring,
     max_model_len: int,
-    topk_indices_buffer: torch.Tensor,
-    use_fp4_cache: bool,
     topk_backend: str,
 ) -> None:
+    q_quant, q_scale, weights, kv_cache, head_dim, use_fp4_cache = scoring[:6]
+    topk_indices_buffer, topk_tokens = scoring.topk_indices_buffer, scoring.topk_tokens
     decode = metadata.decode
     assert decode is not None
     num_decode_tokens = metadata.num_decode_tokens
@@ -354,33 +356,20 @@ def kimi_k3_sparse_attn_indexer(
     # The fused key insert already filled the step's rows with -1.
     if not skip_k_cache_insert:
         topk_indices_buffer[: hidden_states.shape[0]] = -1
+    scoring = _Scoring(
+        q_quant,
+        q_scale,
+        weights,
+        kv_cache,
+        head_dim,
+        use_fp4_cache,
+        topk_indices_buffer,
+        topk_tokens,
+    )
     if metadata.num_prefills > 0:
-        _score_prefill(
-            metadata,
-            kv_cache,
-            q_quant,
-            q_scale,
-            weights,
-            topk_tokens,
-            head_dim,
-            total_seq_lens,
-            topk_indices_buffer,
-            use_fp4_cache,
-        )
+        _score_prefill(metadata, scoring, total_seq_lens)
     if metadata.num_decodes > 0:
-        _score_decode(
-            metadata,
-            kv_cache,
-            q_quant,
-            q_scale,
-            weights,
-            topk_tokens,
-            head_dim,
-            max_model_len,
-            topk_indices_buffer,
-            use_fp4_cache,
-            topk_backend,
-        )
+        _score_decode(metadata, scoring, max_model_len, topk_backend)
     return topk_indices_buffer
 
 
