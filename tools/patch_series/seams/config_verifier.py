@@ -14,6 +14,15 @@ SUBJECT = (
 
 _CONFIG = "vllm/model_executor/models/config.py"
 
+# Both verifiers' verify_and_update_config body.
+_VERIFY_BODY = (
+    "        from <<verify_dsa_vllm_config>> import verify_dsa_vllm_config\n"
+    "        from <<check_kda_decode_grid>> import check_kda_decode_grid\n"
+    "\n"
+    "        verify_dsa_vllm_config(vllm_config)\n"
+    "        check_kda_decode_grid(vllm_config)\n"
+)
+
 EDITS = (
     insert_after(
         _CONFIG,
@@ -26,12 +35,8 @@ EDITS = (
         "        # Kimi K3.1 (text_config.dsa_config): the fp8_ds_mla cache and the\n"
         "        # DSA rules; plain Kimi K3 passes them unchanged. Every Kimi K3:\n"
         "        # max_num_seqs within the Triton KDA decode's launch grid.\n"
-        "        from <<verify_dsa_vllm_config>> import verify_dsa_vllm_config\n"
-        "        from <<check_kda_decode_grid>> import check_kda_decode_grid\n"
-        "\n"
-        "        verify_dsa_vllm_config(vllm_config)\n"
-        "        check_kda_decode_grid(vllm_config)\n"
-        "\n"
+        + _VERIFY_BODY
+        + "\n"
         "\n"
         "class KimiLinearForCausalLMConfig(VerifyAndUpdateConfig):\n"
         '    """Kimi-Linear and the text-only Kimi K3(.1): the DSA rules, the\n'
@@ -46,12 +51,8 @@ EDITS = (
         "\n"
         "    @staticmethod\n"
         '    def verify_and_update_config(vllm_config: "VllmConfig") -> None:\n'
-        "        from <<verify_dsa_vllm_config>> import verify_dsa_vllm_config\n"
-        "        from <<check_kda_decode_grid>> import check_kda_decode_grid\n"
-        "\n"
-        "        verify_dsa_vllm_config(vllm_config)\n"
-        "        check_kda_decode_grid(vllm_config)\n"
-        "\n"
+        + _VERIFY_BODY
+        + "\n"
         "\n"
         "class KimiK3MTPModelConfig(KimiK3ForConditionalGenerationConfig):\n"
         '    """The Kimi K3 MTP draft: refuses a Kimi K3(.1) checkpoint without MTP\n'

@@ -43,6 +43,18 @@ _DENSE_MLA_ARGS = (
 )
 
 
+# Kimi K3's get_layer, up to the arguments the DSA model adds.
+_GET_LAYER = (
+    "        def get_layer(prefix: str):\n"
+    "            return KimiDecoderLayer(\n"
+    "                config,\n"
+    "                vllm_config,\n"
+    "                prefix,\n"
+    "                aux_stream=aux_stream,\n"
+    "                run_gemm_rs_ar=self.run_gemm_rs_ar,\n"
+)
+
+
 def _indent(lines: str, spaces: int) -> str:
     return "".join(" " * spaces + line + "\n" for line in lines.splitlines())
 
@@ -111,27 +123,12 @@ EDITS = (
     ),
     Edit(
         _MODEL,
-        "        aux_stream = torch.cuda.Stream()\n"
-        "\n"
-        "        def get_layer(prefix: str):\n"
-        "            return KimiDecoderLayer(\n"
-        "                config,\n"
-        "                vllm_config,\n"
-        "                prefix,\n"
-        "                aux_stream=aux_stream,\n"
-        "                run_gemm_rs_ar=self.run_gemm_rs_ar,\n"
-        "            )\n",
+        "        aux_stream = torch.cuda.Stream()\n\n" + _GET_LAYER + "            )\n",
         "        aux_stream = torch.cuda.Stream()\n"
         + _MAKE_STATE.format(i="        ")
         + "\n"
-        "        def get_layer(prefix: str):\n"
-        "            return KimiDecoderLayer(\n"
-        "                config,\n"
-        "                vllm_config,\n"
-        "                prefix,\n"
-        "                aux_stream=aux_stream,\n"
-        "                run_gemm_rs_ar=self.run_gemm_rs_ar,\n"
-        "                topk_indices_buffer=topk_indices_buffer,\n"
+        + _GET_LAYER
+        + "                topk_indices_buffer=topk_indices_buffer,\n"
         "                index_group_builder=index_group_builder,\n"
         "            )\n",
     ),
