@@ -292,64 +292,56 @@ def measure(
     """Build one point, time it (and profile it), and free it, under its
     variant's switches (a layer reads them when built)."""
     with C.variant(kind):
-        return _measure(kind, spec, cfg, device, args)
-
-
-def _measure(
-    kind: str,
-    spec: S.Spec,
-    cfg: Any,
-    device: torch.device,
-    args: argparse.Namespace,
-) -> dict[str, Any]:
-    shared = kind in SHARED_LAYERS
-    kind = C.base_kind(I.base_kind(kind))
-    bench = S.setup(kind, spec, cfg, device)
-    try:
-        if kind == "fused" and bench.layer._packed is None:
-            raise RuntimeError("the fused layer did not pack (see the log)")
-        reason = S.unsupported_reason(bench)
-        if reason is not None:
-            raise S.Unsupported(reason)
-        out: dict[str, Any] = {}
-        exchange: Any = contextlib.nullcontext([])
-        if shared:
-            out["indexer_tp"] = args.indexer_tp
-            out["indexer_rows_by_rank"] = I.share_prefill_rows(bench, args.indexer_tp)
-            exchange = I.stand_in_row_exchange(args.indexer_tp)
-        with exchange as exchanged:
-            median, eager_reason = S.under_env(kind, time_step, bench, args.reps)
-            if args.profile:
-                stages = S.under_env(kind, profile_step, bench)
-        expect_exchange = out.get("indexer_rows_by_rank") is not None or (
-            spec.mode == "decode" and spec.batch >= args.indexer_tp
-        )
-        if shared and expect_exchange and not exchanged:
-            raise RuntimeError("the indexer scored every row: no row exchange ran")
-        out["median_us"] = median
-        if spec.mode == "decode":
-            out["graph"] = eager_reason is None
-            if eager_reason is not None:
-                out["graph_error"] = eager_reason
-        if args.profile:
-            out["stages_us"], out["unclassified"] = stages
-            out["metadata_build_us"] = S.under_env(
-                kind, metadata_build_us, bench, args.reps
+        shared = kind in SHARED_LAYERS
+        kind = C.base_kind(I.base_kind(kind))
+        bench = S.setup(kind, spec, cfg, device)
+        try:
+            if kind == "fused" and bench.layer._packed is None:
+                raise RuntimeError("the fused layer did not pack (see the log)")
+            reason = S.unsupported_reason(bench)
+            if reason is not None:
+                raise S.Unsupported(reason)
+            out: dict[str, Any] = {}
+            exchange: Any = contextlib.nullcontext([])
+            if shared:
+                out["indexer_tp"] = args.indexer_tp
+                out["indexer_rows_by_rank"] = I.share_prefill_rows(
+                    bench, args.indexer_tp
+                )
+                exchange = I.stand_in_row_exchange(args.indexer_tp)
+            with exchange as exchanged:
+                median, eager_reason = S.under_env(kind, time_step, bench, args.reps)
+                if args.profile:
+                    stages = S.under_env(kind, profile_step, bench)
+            expect_exchange = out.get("indexer_rows_by_rank") is not None or (
+                spec.mode == "decode" and spec.batch >= args.indexer_tp
             )
-        out["backends"] = dict(bench.backends)
-        if kind in S.DENSE_LAYERS:
-            out.update(dense_fields(bench))
-        if bench.notes:
-            out["notes"] = list(bench.notes)
-        return out
-    finally:
-        del bench
-        S.release(cfg)
-        gc.collect()
-        if device.type == "cuda":
-            # After a CUDA error this raises too; the record keeps the first.
-            with contextlib.suppress(Exception):
-                torch.cuda.empty_cache()
+            if shared and expect_exchange and not exchanged:
+                raise RuntimeError("the indexer scored every row: no row exchange ran")
+            out["median_us"] = median
+            if spec.mode == "decode":
+                out["graph"] = eager_reason is None
+                if eager_reason is not None:
+                    out["graph_error"] = eager_reason
+            if args.profile:
+                out["stages_us"], out["unclassified"] = stages
+                out["metadata_build_us"] = S.under_env(
+                    kind, metadata_build_us, bench, args.reps
+                )
+            out["backends"] = dict(bench.backends)
+            if kind in S.DENSE_LAYERS:
+                out.update(dense_fields(bench))
+            if bench.notes:
+                out["notes"] = list(bench.notes)
+            return out
+        finally:
+            del bench
+            S.release(cfg)
+            gc.collect()
+            if device.type == "cuda":
+                # After a CUDA error this raises too; the record keeps the first.
+                with contextlib.suppress(Exception):
+                    torch.cuda.empty_cache()
 
 
 def dense_fields(bench: S.LayerBench) -> dict[str, Any]:
