@@ -219,30 +219,23 @@ def insert_case(dims: Dims, fp4: bool) -> Case:
             b=torch.randn(dims.index_head_dim, device=DEVICE),
         )
 
+    def inputs(st: dict, i: int) -> tuple:
+        """The arguments the op and its composition share, in order."""
+        index_k = st["sets"][i]["index_k"]
+        return (index_k, st["w"], st["b"], dims.eps, st["slots"][i], st["cache"])
+
     def fast(st: dict, i: int) -> None:
-        s = st["sets"][i]
         ins.indexer_k_norm_quant_insert(
-            s["index_k"],
-            st["w"],
-            st["b"],
-            dims.eps,
-            st["slots"][i],
-            st["cache"],
+            *inputs(st, i),
             st["topk"][i],
-            s["index_k"].shape[0],
+            st["sets"][i]["index_k"].shape[0],
             fp4=fp4,
             mx_scales=mx,
         )
 
     def comp(st: dict, i: int, impl: Callable) -> None:
-        s = st["sets"][i]
         impl(
-            s["index_k"],
-            st["w"],
-            st["b"],
-            dims.eps,
-            st["slots"][i],
-            st["cache"],
+            *inputs(st, i),
             st["topk"][i],
             fp4,
             mx,
@@ -295,19 +288,19 @@ def prologue_case(dims: Dims, fp4: bool) -> Case:
             k_b=torch.randn(dims.index_head_dim, device=dev),
         )
 
-    def fast(st: dict, i: int) -> Any:
+    def inputs(st: dict, i: int) -> tuple:
+        """The arguments the op and its composition share, in order."""
         s = st["sets"][i]
-        return fp.dsa_fused_prologue(
-            s["q_c"],
-            s["kv_c"],
-            s["k_pe"],
-            s["index_k"],
-            st["q_w"],
-            st["kv_w"],
-            st["k_w"],
-            st["k_b"],
+        return (
+            *(s[name] for name in ("q_c", "kv_c", "k_pe", "index_k")),
+            *(st[name] for name in ("q_w", "kv_w", "k_w", "k_b")),
             dims.eps,
             st["topk"][i],
+        )
+
+    def fast(st: dict, i: int) -> Any:
+        return fp.dsa_fused_prologue(
+            *inputs(st, i),
             mla_kv_cache=st["mla"],
             mla_slot_mapping=st["slots"][i],
             index_kv_cache=st["idx"],
@@ -317,18 +310,8 @@ def prologue_case(dims: Dims, fp4: bool) -> Case:
         )
 
     def comp(st: dict, i: int, impl: Callable) -> Any:
-        s = st["sets"][i]
         return impl(
-            s["q_c"],
-            s["kv_c"],
-            s["k_pe"],
-            s["index_k"],
-            st["q_w"],
-            st["kv_w"],
-            st["k_w"],
-            st["k_b"],
-            dims.eps,
-            st["topk"][i],
+            *inputs(st, i),
             st["mla"],
             st["idx"],
             st["slots"][i],
