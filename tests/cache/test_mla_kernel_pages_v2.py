@@ -270,3 +270,24 @@ def test_the_v2_runner_configures_its_block_tables():
             assert getattr(fn, "_kimi_k3_dsa_page_slots", False), fn
         else:
             assert call in inspect.getsource(fn), fn
+
+
+@pytest.mark.overlay_only
+def test_v2_groups_include_a_draft_models_groups():
+    """The seam configures the draft model's attention groups too (DSpark,
+    EAGLE3 and MTP share the packed row), and nothing for a speculator
+    without a model (n-gram). Real V2 classes, built without their
+    ``__init__`` (which needs a GPU)."""
+    from vllm.plugins.kimi_k3_dsa.mla_page_slots import _v2_attn_groups
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+    from vllm.v1.worker.gpu.spec_decode.ngram.speculator import NgramGPUSpeculator
+
+    runner = object.__new__(GPUModelRunner)
+    runner.attn_groups = [["target-0"], ["target-1"]]
+    for no_model in (None, object.__new__(NgramGPUSpeculator)):
+        runner.speculator = no_model
+        assert _v2_attn_groups(runner) == ["target-0", "target-1"]
+    runner.speculator = object.__new__(DSparkSpeculator)
+    runner.speculator.attn_groups = [["draft-0"]]
+    assert _v2_attn_groups(runner) == ["target-0", "target-1", "draft-0"]

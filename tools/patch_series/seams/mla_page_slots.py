@@ -53,7 +53,11 @@ EDITS = (
         "            (\n"
         "                group\n"
         "                for groups in self.attn_groups\n"
-        '                + getattr(self.speculator, "attn_groups", [])\n'
+        "                + (\n"
+        "                    self.speculator.attn_groups\n"
+        "                    if isinstance(self.speculator, DraftModelSpeculator)\n"
+        "                    else []\n"
+        "                )\n"
         "                for group in groups\n"
         "            ),\n"
         "        )\n",

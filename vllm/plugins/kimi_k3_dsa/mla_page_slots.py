@@ -16,7 +16,7 @@ of :mod:`vllm.v1.worker.kernel_pages`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.worker.kernel_pages import (
     BLOCK_TABLES_ATTR,
@@ -34,6 +34,10 @@ __all__ = [
     "runner_kernel_page_groups",
 ]
 
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.utils import AttentionGroup
+
 _MARK = "_kimi_k3_dsa_page_slots"
 
 
@@ -48,11 +52,13 @@ def _wrap(owner: type, name: str, make: Callable[[Any], Any]) -> None:
     setattr(owner, name, wrapper)
 
 
-def _v2_attn_groups(runner: Any) -> list[Any]:
+def _v2_attn_groups(runner: GPUModelRunner) -> list[AttentionGroup]:
     """The target's and a draft model's attention groups."""
-    lists = list(runner.attn_groups) + list(
-        getattr(getattr(runner, "speculator", None), "attn_groups", None) or []
-    )
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+    lists = list(runner.attn_groups)
+    if isinstance(runner.speculator, DraftModelSpeculator):
+        lists += runner.speculator.attn_groups
     return [group for groups in lists for group in groups]
 
 
