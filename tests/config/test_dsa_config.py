@@ -233,7 +233,7 @@ BAD_CHECKPOINTS = [
         "mla-rope",
         {"mla_use_nope": False},
         ValueError,
-        r"mla_use_nope must be true for Kimi-K3.1 DSA: vLLM 0.33.0's Kimi K3 "
+        r"mla_use_nope must be true for Kimi-K3.1 DSA: vLLM's Kimi K3 "
         r"decoder layer builds NoPE MLA layers only",
     ),
     (

@@ -59,7 +59,7 @@ def kda_state_bytes(
 ) -> int:
     """Bytes of one KDA layer's state of one request on one TP rank: the conv
     state (q, k and v channels, ``conv_kernel_size - 1 + num_spec`` taps) and
-    the recurrent state (``head_dim x head_dim`` per head), as 0.33.0's
+    the recurrent state (``head_dim x head_dim`` per head), as vLLM's
     ``MambaStateShapeCalculator.kda_state_shape`` shapes them."""
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
@@ -105,7 +105,7 @@ def packed_dsa_alignment(
     kernel_block_sizes: list[int], checkpoint_alignment: int | None = None
 ) -> int:
     """Token alignment of the packed block: every backend's smallest kernel
-    block, 128 (0.33.0 keeps MLA manager blocks a multiple of 128 so split
+    block, 128 (vLLM keeps MLA manager blocks a multiple of 128 so split
     kernel blocks stay aligned for its decode kernels), and the KDA prefill
     checkpoint alignment in ``mamba_cache_mode='align'``."""
     return math.lcm(128, *kernel_block_sizes, checkpoint_alignment or 1)
@@ -117,7 +117,7 @@ def packed_block_bytes(
     state_group_bytes: int,
     kernel_page_bytes: list[int],
 ) -> int:
-    """Bytes of one packed block, as 0.33.0's planner lays it out
+    """Bytes of one packed block, as vLLM's planner lays it out
     (``_get_kv_cache_bytes_per_block``): the widest group (the DSA row or a
     state group) rounded up to whole kernel pages of every split cache
     (``block_stride_alignment``: 64 x 656 B for ``fp8_ds_mla``, 64 x 132 B for
@@ -129,7 +129,7 @@ def packed_block_bytes(
 
 def backend_kernel_block_alignments(backends: list[Any]) -> list[int]:
     """The smallest kernel block of each attention backend (a ``MultipleOf``
-    counts as its base), as 0.33.0's hybrid alignment reads them."""
+    counts as its base), as vLLM's hybrid alignment reads them."""
     from vllm.v1.attention.backend import MultipleOf
 
     return [
@@ -161,7 +161,7 @@ def check_token_cache_splits(
     cache's from the runner) are written at kernel-page slots when split, so
     they may be. Any other token cache (for
     example a draft's MLA cache under another backend) is written through
-    manager-block slots, so 0.33.0's runner would refuse the split when the
+    manager-block slots, so vLLM's runner would refuse the split when the
     cache is bound, with advice (a smaller ``--block-size``, a layer-compact
     layout) that cannot apply to Kimi K3.1.
     """

@@ -138,7 +138,7 @@ def mla_page_bytes_per_token(
     """Per-token bytes of one MLA layer's cache page, as the runner allocates
     it.
 
-    0.33.0's ``MLAAttentionSpec`` counts ``fp8_ds_mla`` as 576 B unless
+    vLLM's ``MLAAttentionSpec`` counts ``fp8_ds_mla`` as 576 B unless
     ``state_content_bytes`` is passed; the layer passes 656 and so do we, so
     the sizing never undercounts the real page.
     """
@@ -347,7 +347,7 @@ class KimiK3IndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
 
 
 class KimiK3IndexerBackend(DeepseekV32IndexerBackend):
-    """0.33.0's DSA indexer backend with the Kimi K3.1 builder.
+    """vLLM's DSA indexer backend with the Kimi K3.1 builder.
 
     It asks for a block-outermost layout, as DeepSeek-V4's indexer does: the
     indexer pages sit beside the MLA latent pages inside each block row (and
@@ -375,7 +375,7 @@ class KimiK3IndexerCache(DeepseekV32IndexerCache):
 
     ``head_dim`` is the per-token entry in bytes
     (:func:`indexer_cache_entry_bytes`) and ``dtype`` is ``torch.uint8``. Its
-    spec is 0.33.0's (a one-head ``MLAAttentionSpec`` in the indexer role, so
+    spec is vLLM's (a one-head ``MLAAttentionSpec`` in the indexer role, so
     it shares the block table of the layer's MLA cache); its backend builds
     :class:`KimiK3IndexerMetadataBuilder`.
     """
@@ -400,7 +400,7 @@ class KimiK3FlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
     """FlashMLA sparse's metadata builder, with a chunked-context workspace
     that holds at least one block of the group it serves.
 
-    vLLM 0.33.0 sizes that workspace from ``cache_config.block_size`` (capped
+    vLLM sizes that workspace from ``cache_config.block_size`` (capped
     at ``max_num_seqs * index_topk``) but aligns the context chunks to the
     group's own block. For Kimi K3.1 the two differ: the DSA group's block is
     the packed row, and before a worker in the engine's process (TP 1) builds

@@ -3,7 +3,7 @@
 """Kimi K3.1's ``dsa_config``: its parsed form and the rules of the model.
 
 Without ``dsa_config`` (plain Kimi K3, Kimi-Linear) the config classes behave
-exactly as vLLM 0.33.0's.
+exactly as vLLM's.
 """
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ def check_dsa_model(dsa: DSAConfig, text_config: KimiLinearConfig) -> None:
 
 
 def check_dsa_serving(text_config: KimiLinearConfig) -> None:
-    """The rules vLLM 0.33.0's kernels and Kimi K3 decoder impose on a DSA
+    """The rules vLLM's kernels and Kimi K3 decoder impose on a DSA
     model's attention, checked when serving and planning."""
     for name in ("qk_nope_head_dim", "v_head_dim"):
         value = getattr(text_config, name, None)
@@ -314,7 +314,7 @@ def check_dsa_serving(text_config: KimiLinearConfig) -> None:
             )
     if getattr(text_config, "mla_use_nope", None) is not True:
         raise ValueError(
-            "mla_use_nope must be true for Kimi-K3.1 DSA: vLLM 0.33.0's Kimi K3 "
+            "mla_use_nope must be true for Kimi-K3.1 DSA: vLLM's Kimi K3 "
             "decoder layer builds NoPE MLA layers only (it asserts this before "
             f"any DSA layer exists), got {text_config.mla_use_nope!r}"
         )

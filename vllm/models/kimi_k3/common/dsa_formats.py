@@ -82,7 +82,7 @@ KERNEL_ROW_ALIGN_ELEMENTS = 8
 INDEXER_FP8_ENTRY_BYTES = indexer_entry_bytes(KERNEL_INDEX_HEAD_DIM, fp4=False)
 INDEXER_FP4_ENTRY_BYTES = indexer_entry_bytes(KERNEL_INDEX_HEAD_DIM, fp4=True)
 
-# What vLLM 0.33.0's kernels accept.
+# What vLLM's kernels accept.
 
 # Kernel page tokens of the MLA and indexer caches (SM90 and SM10x alike).
 MLA_KERNEL_PAGE_TOKENS = 64
@@ -98,7 +98,7 @@ SPARSE_MLA_MAX_HEADS_PER_RANK = 128
 # FlashMLA sparse converts top-k rows to slots 128 columns per tile.
 INDEX_TOPK_MULTIPLE = 128
 TOPK_INDEX_BYTES = 4
-# What vLLM 0.33.0's DCP top-k merge (_merge_dcp_topk_global) takes.
+# What vLLM's DCP top-k merge (_merge_dcp_topk_global) takes.
 DCP_INDEX_TOPK_VALUES = (512, 1024, 2048)
 
 

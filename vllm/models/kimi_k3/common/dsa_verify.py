@@ -58,7 +58,7 @@ ROCM_REASON = (
     "kernels; ROCm is not supported."
 )
 XPU_REASON = (
-    "Kimi-K3.1 DSA is not supported on XPU: vLLM 0.33.0 serves Kimi K3 there "
+    "Kimi-K3.1 DSA is not supported on XPU: vLLM serves Kimi K3 there "
     "with its AMD text model, which has no DSA layers."
 )
 
@@ -102,7 +102,7 @@ def check_speculative_draft(vllm_config: VllmConfig) -> None:
         )
 
 
-# What vLLM 0.33.0's dense MLA backends read; none reads fp8_ds_mla.
+# What vLLM's dense MLA backends read; none reads fp8_ds_mla.
 DENSE_DRAFT_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
 
 
@@ -442,13 +442,13 @@ def verify_mtp_draft(model_config: ModelConfig) -> None:
 
 
 def refuse_text_only_draft(model_config: ModelConfig) -> None:
-    """vLLM 0.33.0 drafts Kimi K3 only with the multimodal checkpoint."""
+    """vLLM drafts Kimi K3 only with the multimodal checkpoint."""
     if getattr(model_config, "spec_target_max_model_len", None) is None:
         return  # the target model, not a draft
     raise ValueError(
         f"speculative_config: the draft resolves to {model_config.architectures} "
         "(a text-only Kimi K3 checkpoint), which has no speculative draft in "
-        "vLLM 0.33.0. Method 'kimi_k3_mtp' (or 'mtp') needs the multimodal "
+        "vLLM. Method 'kimi_k3_mtp' (or 'mtp') needs the multimodal "
         "KimiK3ForConditionalGeneration checkpoint, whose MTP layers it loads; "
         "serve this checkpoint without --speculative-config"
     )

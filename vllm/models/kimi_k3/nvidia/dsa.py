@@ -757,7 +757,7 @@ class KimiK3DSAIndexer(nn.Module):
         # Set by KimiK3DSAAttention to skip scoring dense-MHA prefills.
         self.dense_mha_metadata_layer_name = ""
         self.topk_backend = vllm_config.kernel_config.sparse_indexer_topk_backend
-        # Without the fused insert 0.33.0's op inserts the key (fp8 only).
+        # Without the fused insert vLLM's op inserts the key (fp8 only).
         self.k_insert_blockers = fused_k_insert_blockers(self)
         self.use_fused_k_insert = not self.k_insert_blockers
         if self.k_insert_blockers:
@@ -777,7 +777,7 @@ class KimiK3DSAIndexer(nn.Module):
         self.dcp_world_size = self._parallel_config.decode_context_parallel_size
         self.dcp_rank = get_dcp_group().rank_in_group if self.dcp_world_size > 1 else 0
         self._cp_kv_cache_interleave_size: int | None = None
-        # 0 keeps the op's generic merge (always on 0.33.0).
+        # 0 keeps the op's generic merge (no upstream DCP top-k merge).
         init_dcp_topk_merge = _upstream_init_dcp_topk_merge()
         self.dcp_local_topk = (
             init_dcp_topk_merge(vllm_config, index_topk)

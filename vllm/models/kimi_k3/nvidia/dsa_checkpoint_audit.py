@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What Kimi K3's full-attention layers receive from the checkpoint, checked.
 
-vLLM 0.33.0's loader loads whatever arrives: a missing MLA projection stays
+vLLM's loader loads whatever arrives: a missing MLA projection stays
 uninitialized, a second copy overwrites, a NaN loads. The audit refuses
 non-finite values and conflicting copies as they stream past, and
 incomplete layers after loading.

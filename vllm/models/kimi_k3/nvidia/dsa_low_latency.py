@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Low-latency GEMMs for the packed projections of the Kimi K3.1 DSA layers.
 
-The packed shapes are not in vLLM 0.33.0's measured Kimi K3 GEMM tables; for
+The packed shapes are not in vLLM's measured Kimi K3 GEMM tables; for
 1..16 tokens they run its CuTe skinny GEMM instead of cuBLAS.
 """
 
@@ -103,7 +103,7 @@ PACKED_SHAPE_CONFIG_OVERRIDES: dict[
 
 
 def _skinny_gemm():
-    """0.33.0's shape-dynamic CuTe skinny GEMM, or None where it cannot run."""
+    """vLLM's shape-dynamic CuTe skinny GEMM, or None where it cannot run."""
     try:
         from vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm import (
             shape_dynamic_skinny_gemm,
@@ -121,7 +121,7 @@ def _capability_major(device_index: int) -> int:
 
 
 def _device_major(device: torch.device) -> int | None:
-    """The capability major where 0.33.0's Kimi K3 low-latency GEMM serves
+    """The capability major where vLLM's Kimi K3 low-latency GEMM serves
     the device, else None."""
     if device.type != "cuda":
         return None
@@ -165,7 +165,7 @@ def _packed_plan(n: int, k: int, major: int) -> dict[int, object]:
 
 
 def _runtime_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """0.33.0's ``low_latency_gemm._runtime_ok`` plus an aligned row-major
+    """vLLM's ``low_latency_gemm._runtime_ok`` plus an aligned row-major
     ``x``."""
     return (
         x.dim() == 2
@@ -211,7 +211,7 @@ def low_latency_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def request_low_latency_warmup(weight: torch.Tensor) -> bool:
-    """Ask 0.33.0's CuTe-DSL warmup to compile the configs
+    """Ask vLLM's CuTe-DSL warmup to compile the configs
     :func:`low_latency_linear` will run for ``weight``, before CUDA-graph
     capture; returns whether anything was requested."""
     if weight.dim() != 2 or weight.dtype != torch.bfloat16 or envs.VLLM_BATCH_INVARIANT:

@@ -203,7 +203,7 @@ class _Destination:
 
 
 class DSAWeightRouter:
-    """Loads the tensors 0.33.0's Kimi K3 loaders cannot place for DSA layers.
+    """Loads the tensors vLLM's Kimi K3 loaders cannot place for DSA layers.
 
     ``layers`` maps each DSA layer's checkpoint attention prefix to its
     parameter prefix and module.
@@ -235,7 +235,7 @@ class DSAWeightRouter:
         return None
 
     def _destination(self, name: str) -> _Destination | None:
-        """Where ``name`` loads, or None when 0.33.0's loader places it."""
+        """Where ``name`` loads, or None when vLLM's loader places it."""
         ckpt = self._layer_of(name)
         if ckpt is None:
             return None
@@ -371,7 +371,7 @@ class DSAWeightRouter:
             weight_loader(param, loaded_weight, shard)
 
     def load(self, name: str, loaded_weight: torch.Tensor) -> str | None:
-        """Load ``name`` if it is ours; None leaves it to 0.33.0's loader."""
+        """Load ``name`` if it is ours; None leaves it to vLLM's loader."""
         upcast = self._maybe_upcast(name, loaded_weight)
         if upcast is not None:
             return upcast

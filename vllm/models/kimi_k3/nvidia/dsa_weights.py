@@ -132,7 +132,7 @@ def load_kimi_linear_model_weights(
     audit = AttentionCheckpointAudit(full_attention_layers(_layer_candidates(model)))
 
     def refuse_foreign_indexer(name: str) -> None:
-        # 0.33.0 would fail with a bare KeyError.
+        # vLLM's loader would fail with a bare KeyError.
         if f".self_attn.{CHECKPOINT_INDEXER}." not in name:
             return
         parts = name.split(".")

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The decode batch that vLLM 0.33.0's Triton KDA decode can launch.
+"""The decode batch that vLLM's Triton KDA decode can launch.
 
 Its grid puts decode tokens x KDA heads per rank on CUDA's y dimension
 (at most 65535); a larger batch fails only at warm-up, after the weights and
@@ -87,7 +87,7 @@ def check_kda_decode_grid(vllm_config: VllmConfig) -> None:
     raise ValueError(
         f"max_num_seqs {max_num_seqs} is too large for this model at "
         f"tensor_parallel_size {tp_size}: accepted: at most {bound}. Its "
-        f"{heads_per_rank} KDA heads per rank decode with vLLM 0.33.0's Triton "
+        f"{heads_per_rank} KDA heads per rank decode with vLLM's Triton "
         "KDA decode (fused_recurrent_kda_packed_decode; the native fused decode "
         "does not take this configuration), whose launch grid puts decode "
         f"requests x KDA heads per rank on CUDA's grid y, at most {CUDA_MAX_GRID_Y}: "

@@ -4,7 +4,7 @@
 
 This layer imports torch, triton, ``vllm._kimi_k3_C`` and
 ``common/dsa_formats.py`` only, so the GPU tests run without vLLM installed.
-Ops load on first access. Named ``dsa_ops`` because 0.33.0 already owns
+Ops load on first access. Named ``dsa_ops`` because Kimi K3 already owns
 ``nvidia/ops/``.
 """
 
