@@ -376,25 +376,6 @@ def test_the_parallel_layout_reaches_every_engine(
         assert getattr(engine_args, key) == value, key
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--tensor-parallel-size", "5"], "--tensor-parallel-size 5: give a size"),
-        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1"),
-        (
-            ["--tensor-parallel-size", "8", "--one-rank-of-tp", "8"],
-            "give it or --tensor-parallel-size, not both",
-        ),
-    ],
-)
-def test_bad_parallel_layouts_are_refused(
-    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
-) -> None:
-    with pytest.raises(SystemExit):
-        E.parse_args(["--dry-run", *argv])
-    assert message in capsys.readouterr().err
-
-
 def test_vllm_bench_latency_needs_its_prompt_ids_in_the_vocabulary(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -545,9 +526,15 @@ def test_dry_run_names_the_one_rank_shape(capsys: pytest.CaptureFixture[str]) ->
         (["--one-rank-of-tp", "5"], "--one-rank-of-tp 5: give a TP size that divides"),
         (["--one-rank-of-tp", "0"], "32, 48, 96"),
         (["--attention-blocks", "25"], "--attention-blocks: at most 24"),
+        (["--tensor-parallel-size", "5"], "--tensor-parallel-size 5: give a size"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1"),
+        (
+            ["--tensor-parallel-size", "8", "--one-rank-of-tp", "8"],
+            "give it or --tensor-parallel-size, not both",
+        ),
     ],
 )
-def test_shapes_the_writer_refuses_are_refused_before_any_engine(
+def test_bad_shapes_and_layouts_are_refused_before_any_engine(
     capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
     with pytest.raises(SystemExit):
