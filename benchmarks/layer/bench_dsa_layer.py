@@ -12,7 +12,8 @@ and FlashAttention MLA declare UNIFORM_BATCH, and breakable capture runs
 attention inside the graph in FULL mode) and replayed; prefill chunks run
 eagerly, as vLLM runs them outside full graphs. ``--profile`` adds a
 per-stage breakdown of one eager step and the host time of building the
-layer's attention metadata (``metadata_build_us``).
+layer's attention metadata (``metadata_build_us``, and per cache
+``metadata_build_us_by_cache``).
 
 Every point is measured on its own: one that fails is recorded with its error
 (and a decode step that cannot be captured is timed eagerly, saying so), the
@@ -195,28 +196,36 @@ def profile_step(bench: S.LayerBench) -> tuple[dict[str, float], list[str]]:
     return stages, sorted({n for n in names if classify([n]) == ["other"]})
 
 
-def metadata_build_us(bench: S.LayerBench, reps: int) -> float:
+def metadata_build_us(bench: S.LayerBench, reps: int) -> tuple[float, dict[str, float]]:
     """Median host microseconds to build this layer's attention metadata, as
     the runner does once a step per KV cache group (here: every cache of the
-    layer, from the same common metadata). The GPU is idle when each build
-    starts; a build that waits on the GPU is charged for it."""
+    layer, from the same common metadata), and each cache's own median (which
+    builder the time goes to). The GPU is idle when each build starts; a
+    build that waits on the GPU is charged for it."""
     cuda = bench.hidden is not None and bench.hidden.is_cuda
-    groups = list(bench.groups.values())
+    groups = bench.groups
     if not groups:
         raise RuntimeError("the layer bench holds no metadata builders")
-    for group in groups:
+    for group in groups.values():
         group.build_metadata(bench.common)
-    times = []
+    totals: list[float] = []
+    by_cache: dict[str, list[float]] = {name: [] for name in groups}
     for _ in range(reps):
         if cuda:
             torch.cuda.synchronize()
-        start = time.perf_counter()
-        for group in groups:
+        total = 0.0
+        for name, group in groups.items():
+            start = time.perf_counter()
             group.build_metadata(bench.common)
-        times.append((time.perf_counter() - start) * 1e6)
+            elapsed = (time.perf_counter() - start) * 1e6
+            by_cache[name].append(elapsed)
+            total += elapsed
+        totals.append(total)
     if cuda:
         torch.cuda.synchronize()
-    return statistics.median(times)
+    return statistics.median(totals), {
+        name: statistics.median(times) for name, times in by_cache.items()
+    }
 
 
 def specs(args: argparse.Namespace) -> list[S.Spec]:
@@ -325,9 +334,10 @@ def measure(
                     out["graph_error"] = eager_reason
             if args.profile:
                 out["stages_us"], out["unclassified"] = stages
-                out["metadata_build_us"] = S.under_env(
-                    kind, metadata_build_us, bench, args.reps
-                )
+                (
+                    out["metadata_build_us"],
+                    out["metadata_build_us_by_cache"],
+                ) = S.under_env(kind, metadata_build_us, bench, args.reps)
             out["backends"] = dict(bench.backends)
             if kind in S.DENSE_LAYERS:
                 out.update(dense_fields(bench))
