@@ -113,6 +113,11 @@ def test_kernel_page_slots_formula():
     out = torch.full_like(slots, 7)
     assert kernel_page_slots(slots, 1024, 64, 40, out=out) is out
     assert torch.equal(out, paged)
+    # In place, as Model Runner V2 remaps its persistent slot-mapping rows.
+    in_place = slots.clone()
+    assert kernel_page_slots(in_place, 1024, 64, 40, out=in_place) is in_place
+    assert torch.equal(in_place, paged)
+    assert kernel_page_slots(slots, 1024, 64, 16).tolist() == slots.tolist()
     with pytest.raises(ValueError, match="cannot hold 1024-token blocks"):
         kernel_page_slots(slots, 1024, 64, 15)
     with pytest.raises(ValueError):

@@ -88,14 +88,10 @@ def kernel_page_slots(
             f"kernel pages of {page_tokens} tokens at a stride of "
             f"{kernel_block_stride} pages cannot hold {block_size}-token blocks"
         )
-    blocks = torch.div(manager_slots, block_size, rounding_mode="floor")
-    paged = blocks * (kernel_block_stride * page_tokens) + (
-        manager_slots - blocks * block_size
-    )
-    paged = torch.where(manager_slots < 0, manager_slots, paged)
-    if out is None:
-        return paged
-    return out.copy_(paged)
+    # Three launches (this runs every step): block 0 for -1 keeps it -1.
+    blocks = torch.div(manager_slots, block_size, rounding_mode="floor").clamp_(min=0)
+    shift = kernel_block_stride * page_tokens - block_size
+    return torch.add(manager_slots, blocks, alpha=shift, out=out)
 
 
 @dataclass(frozen=True)
