@@ -279,6 +279,22 @@ CONFIG_FILE = "config.json"
 CHECKPOINT_FILE = "model.safetensors"
 
 
+def mla_dims(text_config: Any) -> dict[str, Any]:
+    """The MLA arguments Kimi K3's decoder layer passes its attention, from a
+    text config (``config`` included): what the layer tests and the layer
+    benchmark build it with."""
+    return dict(
+        config=text_config,
+        hidden_size=text_config.hidden_size,
+        num_heads=text_config.num_attention_heads,
+        qk_nope_head_dim=text_config.qk_nope_head_dim,
+        qk_rope_head_dim=text_config.qk_rope_head_dim,
+        v_head_dim=text_config.v_head_dim,
+        q_lora_rank=text_config.q_lora_rank,
+        kv_lora_rank=text_config.kv_lora_rank,
+    )
+
+
 def checkpoint_dir_mode(existing: Path | None) -> int:
     """The mode the new directory gets: the old one's, else the default that
     ``mkdir`` gives (mkdtemp makes its directories private)."""

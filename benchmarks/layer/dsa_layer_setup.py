@@ -302,6 +302,7 @@ def _construct(kind: str, vllm_config: Any, device: torch.device) -> Any:
         return DeepseekV32Attention(
             vllm_config, text, V32_PREFIX, buffer, index_group_builder=builder
         )
+    from kimi_k3_dsa_tools.tiny_checkpoint import mla_dims
     from vllm.models.kimi_k3.nvidia.dsa import KimiK3DSAAttention
     from vllm.models.kimi_k3.nvidia.dsa_model import make_dsa_model_state
 
@@ -310,14 +311,7 @@ def _construct(kind: str, vllm_config: Any, device: torch.device) -> Any:
     # The builder holds this very buffer: a copy would split the two.
     assert state.topk_indices_buffer.device.type == device.type
     return KimiK3DSAAttention(
-        text,
-        text.hidden_size,
-        text.num_attention_heads,
-        text.qk_nope_head_dim,
-        text.qk_rope_head_dim,
-        text.v_head_dim,
-        text.q_lora_rank,
-        text.kv_lora_rank,
+        **mla_dims(text),
         cache_config=vllm_config.cache_config,
         prefix=KIMI_PREFIX,
         topk_indices_buffer=state.topk_indices_buffer,
@@ -331,18 +325,12 @@ def _construct_dense(text: Any, vllm_config: Any, device: torch.device) -> Any:
     """Plain Kimi K3's full-attention layer with the arguments its decoder
     layer (``KimiDecoderLayer``) passes: NoPE MLA with the output gate, the
     model-level side stream, no GEMM + all-reduce fusion (TP 1)."""
+    from kimi_k3_dsa_tools.tiny_checkpoint import mla_dims
     from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 
     assert getattr(text, "dsa_config", None) is None, "a Kimi K3.1 DSA config"
     return MultiHeadLatentAttention(
-        config=text,
-        hidden_size=text.hidden_size,
-        num_heads=text.num_attention_heads,
-        qk_nope_head_dim=text.qk_nope_head_dim,
-        qk_rope_head_dim=text.qk_rope_head_dim,
-        v_head_dim=text.v_head_dim,
-        q_lora_rank=text.q_lora_rank,
-        kv_lora_rank=text.kv_lora_rank,
+        **mla_dims(text),
         use_output_gate=bool(text.mla_use_output_gate),
         cache_config=vllm_config.cache_config,
         quant_config=vllm_config.quant_config,

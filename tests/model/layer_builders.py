@@ -14,27 +14,13 @@ from typing import Any
 import torch
 
 import vllm.models.kimi_k3.nvidia.dsa as D
+from kimi_k3_dsa_tools.tiny_checkpoint import mla_dims
 
 TOPK = 128  # the tiny dsa_config's index_topk
 
 
 def topk_buffer(rows: int = 256) -> torch.Tensor:
     return torch.full((rows, TOPK), -1, dtype=torch.int32)
-
-
-def mla_dims(config) -> dict[str, Any]:
-    """The MLA dimensions the decoder layer passes its attention, from the
-    text config (``config`` included)."""
-    return dict(
-        config=config,
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        qk_nope_head_dim=config.qk_nope_head_dim,
-        qk_rope_head_dim=config.qk_rope_head_dim,
-        v_head_dim=config.v_head_dim,
-        q_lora_rank=config.q_lora_rank,
-        kv_lora_rank=config.kv_lora_rank,
-    )
 
 
 def build(env, text_config=None, prefix: str | None = None, **kwargs: Any):

@@ -10,8 +10,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from layer_builders import mla_dims
 
+from kimi_k3_dsa_tools.tiny_checkpoint import mla_dims
 from vllm.plugins.kimi_k3_dsa import _on_import
 
 # The plugin mechanism itself: vLLM's tree with the series applied has no
