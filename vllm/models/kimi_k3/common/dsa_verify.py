@@ -227,9 +227,8 @@ def check_sm10x_fp8_index_head_dim(dsa: DSAConfig) -> None:
     if dsa.index_head_dim != KERNEL_INDEX_HEAD_DIM:
         raise ValueError(
             f"dsa_config.index_head_dim {dsa.index_head_dim} cannot serve fp8 "
-            f"indexer keys on SM10x: accepted: {KERNEL_INDEX_HEAD_DIM} (DeepGEMM "
-            "reads MX-scaled fp8 keys there, which vLLM's key insert and ours "
-            f"write at head dim {KERNEL_INDEX_HEAD_DIM} only)"
+            f"indexer keys on SM10x: accepted: {KERNEL_INDEX_HEAD_DIM}, the one "
+            "head dim of the MX-scaled keys that DeepGEMM reads there"
         )
 
 
