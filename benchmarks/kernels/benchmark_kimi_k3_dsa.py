@@ -138,6 +138,24 @@ def slot_sets(dims: Dims, num_tokens: int, num_sets: int) -> tuple[list, int]:
     return out, num_blocks
 
 
+def writer_sets(dims: Dims, num_tokens: int, num_sets: int) -> tuple[dict, int]:
+    """What every cache writer case reads and writes (the GEMM slices, the
+    slots, the top-k rows it fills) and the number of cache blocks."""
+    slots, num_blocks = slot_sets(dims, num_tokens, num_sets)
+    topk = [
+        torch.empty(num_tokens, dims.topk, dtype=torch.int32, device=DEVICE)
+        for _ in range(num_sets)
+    ]
+    shared = dict(sets=gemm1_sets(dims, num_tokens, num_sets), slots=slots, topk=topk)
+    return shared, num_blocks
+
+
+def zero_cache(num_blocks: int, dims: Dims, entry_bytes: int) -> torch.Tensor:
+    return torch.zeros(
+        num_blocks, dims.block, entry_bytes, dtype=torch.uint8, device=DEVICE
+    )
+
+
 # ---------------------------------------------------------------------------
 # Graph-capturable torch compositions of the references.
 # ---------------------------------------------------------------------------
@@ -204,17 +222,10 @@ def insert_case(dims: Dims, fp4: bool) -> Case:
     entry = dsa_formats.indexer_entry_bytes(dims.index_head_dim, fp4)
 
     def make(t: int, n: int) -> dict:
-        slots, num_blocks = slot_sets(dims, t, n)
+        shared, num_blocks = writer_sets(dims, t, n)
         return dict(
-            sets=gemm1_sets(dims, t, n),
-            slots=slots,
-            topk=[
-                torch.empty(t, dims.topk, dtype=torch.int32, device=DEVICE)
-                for _ in range(n)
-            ],
-            cache=torch.zeros(
-                num_blocks, dims.block, entry, dtype=torch.uint8, device=DEVICE
-            ),
+            shared,
+            cache=zero_cache(num_blocks, dims, entry),
             w=torch.randn(dims.index_head_dim, device=DEVICE),
             b=torch.randn(dims.index_head_dim, device=DEVICE),
         )
@@ -267,21 +278,12 @@ def prologue_case(dims: Dims, fp4: bool) -> Case:
     mla_entry = dsa_formats.DS_MLA_ENTRY_BYTES
 
     def make(t: int, n: int) -> dict:
-        slots, num_blocks = slot_sets(dims, t, n)
+        shared, num_blocks = writer_sets(dims, t, n)
         dev = DEVICE
         return dict(
-            sets=gemm1_sets(dims, t, n),
-            slots=slots,
-            topk=[
-                torch.empty(t, dims.topk, dtype=torch.int32, device=dev)
-                for _ in range(n)
-            ],
-            mla=torch.zeros(
-                num_blocks, dims.block, mla_entry, dtype=torch.uint8, device=dev
-            ),
-            idx=torch.zeros(
-                num_blocks, dims.block, entry, dtype=torch.uint8, device=dev
-            ),
+            shared,
+            mla=zero_cache(num_blocks, dims, mla_entry),
+            idx=zero_cache(num_blocks, dims, entry),
             q_w=torch.randn(dims.q_lora, device=dev).bfloat16(),
             kv_w=torch.randn(dims.kv_lora, device=dev).bfloat16(),
             k_w=torch.randn(dims.index_head_dim, device=dev),
