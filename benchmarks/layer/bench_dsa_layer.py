@@ -441,7 +441,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
         "fused-shared": "f-shr",
         "wrapper-shared": "w-shr",
         "fused-cand": "f-cand",
-        "fused-padded": "f-pad",
+        "fused-unpadded": "f-unpad",
     }
     ratio_cols = [f"x {short.get(k, k)}" for k in layers[1:]]
     cols = ("heads", "mode", "B", "ctx", "T", *layers, *ratio_cols)

@@ -2,10 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Layer variants of issue 38, for the layer benchmark only.
 
-``fused-padded`` is the fused layer with FlashMLA's fp8 kernel padded to 64
-heads, as vLLM 0.33.0 runs it (the fused layer runs ``sparse_mla_fp8`` below
-64 heads); ``fused-cand`` swaps ``radix_topk`` in for vLLM's top-k plus
-``canonical_topk``, which nothing that serves uses."""
+``fused-unpadded`` is the fused layer with ``sparse_mla_fp8`` at the layer's
+own head count below 64 heads (the fused layer runs FlashMLA's fp8 kernel
+padded to 64 heads, as vLLM 0.33.0 does); ``fused-cand`` swaps
+``radix_topk`` in for vLLM's top-k plus ``canonical_topk``, which nothing that
+serves uses."""
 
 from __future__ import annotations
 
@@ -14,30 +15,31 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from vllm.models.kimi_k3.common.dsa_envs import SPARSE_MLA_PADDED_ENV
+from vllm.models.kimi_k3.common.dsa_envs import SPARSE_MLA_UNPADDED_ENV
 
 CANDIDATE_SUFFIX = "-cand"
-PADDED_SUFFIX = "-padded"
-LAYERS = (f"fused{PADDED_SUFFIX}", f"fused{CANDIDATE_SUFFIX}")
+UNPADDED_SUFFIX = "-unpadded"
+LAYERS = (f"fused{UNPADDED_SUFFIX}", f"fused{CANDIDATE_SUFFIX}")
 
 
 def base_kind(kind: str) -> str:
     """The layer a variant builds."""
-    return kind.removesuffix(CANDIDATE_SUFFIX).removesuffix(PADDED_SUFFIX)
+    return kind.removesuffix(CANDIDATE_SUFFIX).removesuffix(UNPADDED_SUFFIX)
 
 
 @contextlib.contextmanager
-def padded_sparse_mla() -> Iterator[None]:
-    """FlashMLA padded to 64 heads for the duration (the switch restored)."""
-    saved = os.environ.get(SPARSE_MLA_PADDED_ENV)
-    os.environ[SPARSE_MLA_PADDED_ENV] = "1"
+def unpadded_sparse_mla() -> Iterator[None]:
+    """``sparse_mla_fp8`` below 64 heads for the duration (the switch
+    restored)."""
+    saved = os.environ.get(SPARSE_MLA_UNPADDED_ENV)
+    os.environ[SPARSE_MLA_UNPADDED_ENV] = "1"
     try:
         yield
     finally:
         if saved is None:
-            del os.environ[SPARSE_MLA_PADDED_ENV]
+            del os.environ[SPARSE_MLA_UNPADDED_ENV]
         else:
-            os.environ[SPARSE_MLA_PADDED_ENV] = saved
+            os.environ[SPARSE_MLA_UNPADDED_ENV] = saved
 
 
 @contextlib.contextmanager
@@ -70,8 +72,8 @@ def candidate_kernels() -> Iterator[None]:
 
 def variant(kind: str) -> contextlib.AbstractContextManager[Any]:
     """What ``kind`` changes while it is timed."""
-    if kind.endswith(PADDED_SUFFIX):
-        return padded_sparse_mla()
+    if kind.endswith(UNPADDED_SUFFIX):
+        return unpadded_sparse_mla()
     if kind.endswith(CANDIDATE_SUFFIX):
         return candidate_kernels()
     return contextlib.nullcontext()

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The layer benchmark's issue-38 variants on the CPU: ``fused-cand``'s swaps
-(made and undone) and ``fused-padded``'s switch (set and restored). Their
+(made and undone) and ``fused-unpadded``'s switch (set and restored). Their
 timing needs a GPU."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ sys.path.insert(0, str(_ROOT / "benchmarks" / "layer"))
 import candidate_kernels as C  # noqa: E402
 
 from vllm.models.kimi_k3.common.dsa_envs import (  # noqa: E402
-    SPARSE_MLA_PADDED_ENV,
-    sparse_mla_padded_forced,
+    SPARSE_MLA_UNPADDED_ENV,
+    sparse_mla_unpadded,
 )
 
 
@@ -48,13 +48,13 @@ def test_the_swaps_are_made_and_undone() -> None:
 
 
 @pytest.mark.parametrize("before", [None, "0"])
-def test_padded_variant_sets_and_restores_the_switch(before, monkeypatch) -> None:
+def test_unpadded_variant_sets_and_restores_the_switch(before, monkeypatch) -> None:
     if before is None:
-        monkeypatch.delenv(SPARSE_MLA_PADDED_ENV, raising=False)
+        monkeypatch.delenv(SPARSE_MLA_UNPADDED_ENV, raising=False)
     else:
-        monkeypatch.setenv(SPARSE_MLA_PADDED_ENV, before)
-    assert not sparse_mla_padded_forced()
-    with C.variant("fused-padded"):
-        assert sparse_mla_padded_forced()
-    assert os.environ.get(SPARSE_MLA_PADDED_ENV) == before
-    assert not sparse_mla_padded_forced()
+        monkeypatch.setenv(SPARSE_MLA_UNPADDED_ENV, before)
+    assert not sparse_mla_unpadded()
+    with C.variant("fused-unpadded"):
+        assert sparse_mla_unpadded()
+    assert os.environ.get(SPARSE_MLA_UNPADDED_ENV) == before
+    assert not sparse_mla_unpadded()

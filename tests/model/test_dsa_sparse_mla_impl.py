@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The DSA layers' FlashMLA sparse impl on the CPU: a layer built through
-vLLM's MLA wrapper gets :class:`KimiK3FlashMLASparseImpl`; below 64 heads its
-fp8 kernel entry runs ``sparse_mla_fp8`` (its torch path here) with FlashMLA's
-shapes; at 64 heads, under DCP's LSE merge, with the switch set and in the
-wrapper forward (each read when the layer is built) it is FlashMLA's, padded
-as vLLM pads. FlashMLA itself is stubbed (a CPU cannot run it), and so is the
-sparse backend selection (``dsa_layer_env``)."""
+vLLM's MLA wrapper gets :class:`KimiK3FlashMLASparseImpl`; with the switch
+set, below 64 heads its fp8 kernel entry runs ``sparse_mla_fp8`` (its torch
+path here) with FlashMLA's shapes; by default, at 64 heads, under DCP's LSE
+merge and in the wrapper forward (each read when the layer is built) it is
+FlashMLA's, padded as vLLM pads. FlashMLA itself is stubbed (a CPU cannot
+run it), and so is the sparse backend selection (``dsa_layer_env``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from layer_builders import build
 from vllm.models.kimi_k3.common.dsa_cache import KimiK3FlashMLASparseBackend
 from vllm.models.kimi_k3.common.dsa_envs import (
     FORCE_WRAPPER_ENV,
-    SPARSE_MLA_PADDED_ENV,
+    SPARSE_MLA_UNPADDED_ENV,
 )
 from vllm.models.kimi_k3.nvidia.dsa_ops.formats import fp8_ds_mla_entry
 from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (
@@ -43,7 +43,8 @@ def _built_impl(env) -> KimiK3FlashMLASparseImpl:
 
 @pytest.fixture
 def impl(dsa_layer_env, monkeypatch: pytest.MonkeyPatch) -> KimiK3FlashMLASparseImpl:
-    monkeypatch.delenv(SPARSE_MLA_PADDED_ENV, raising=False)
+    """The impl with the unpadded kernel opted in."""
+    monkeypatch.setenv(SPARSE_MLA_UNPADDED_ENV, "1")
     monkeypatch.delenv(FORCE_WRAPPER_ENV, raising=False)
     return _built_impl(dsa_layer_env)
 
@@ -103,12 +104,12 @@ def test_few_heads_run_unpadded(impl, monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.isneginf(lse[0, :, -1]).all() and (out[0, -1] == 0).all()
 
 
-@pytest.mark.parametrize("why", ["64 heads", "dcp", "switch", "wrapper"])
+@pytest.mark.parametrize("why", ["default", "64 heads", "dcp", "wrapper"])
 def test_flashmla_keeps_the_rest(dsa_layer_env, why: str, monkeypatch) -> None:
-    monkeypatch.delenv(SPARSE_MLA_PADDED_ENV, raising=False)
+    """FlashMLA padded by default, and where the unpadded kernel is opted in
+    but cannot serve."""
+    monkeypatch.setenv(SPARSE_MLA_UNPADDED_ENV, "0" if why == "default" else "1")
     monkeypatch.delenv(FORCE_WRAPPER_ENV, raising=False)
-    if why == "switch":
-        monkeypatch.setenv(SPARSE_MLA_PADDED_ENV, "1")
     if why == "wrapper":
         monkeypatch.setenv(FORCE_WRAPPER_ENV, "1")
     impl = _built_impl(dsa_layer_env)
@@ -128,8 +129,8 @@ def test_flashmla_keeps_the_rest(dsa_layer_env, why: str, monkeypatch) -> None:
 
 
 def test_bad_switch_is_refused(dsa_layer_env, monkeypatch) -> None:
-    monkeypatch.setenv(SPARSE_MLA_PADDED_ENV, "yes")
-    with pytest.raises(ValueError, match=f"{SPARSE_MLA_PADDED_ENV}='yes'"):
+    monkeypatch.setenv(SPARSE_MLA_UNPADDED_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{SPARSE_MLA_UNPADDED_ENV}='yes'"):
         _built_impl(dsa_layer_env)
 
 

@@ -355,14 +355,14 @@ SUITES: dict[str, Suite] = {
         "stood in for by a device copy), against dense MLA bf16 and fp8",
     ),
     "layer-candidates": Suite(
-        "python3 benchmarks/layer/bench_dsa_layer.py --layers fused fused-padded "
+        "python3 benchmarks/layer/bench_dsa_layer.py --layers fused fused-unpadded "
         "fused-cand dense-fp8 --tp-heads 12 --decode-batches 1 8 64 --contexts "
         "32768 131072 --prefill-chunks 4096 --reps 30 --profile "
         "--json $LOGS/layer.json",
         VLLM_ENV,
         600,
-        "the 12-head fused layer (sparse_mla_fp8) against itself with FlashMLA "
-        "padded to 64 heads (vLLM's kernel) and with radix_topk for vLLM's "
+        "the 12-head fused layer (FlashMLA padded to 64 heads) against itself "
+        "with sparse_mla_fp8 at 12 heads and with radix_topk for vLLM's "
         "top-k and canonical_topk, and against dense MLA fp8",
     ),
     "indexer-share": Suite(

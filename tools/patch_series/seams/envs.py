@@ -19,7 +19,7 @@ EDITS = (
         "    VLLM_KIMI_K3_DSA_EXPERIMENTAL_DCP: bool = False\n"
         "    VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES: bool = False\n"
         "    VLLM_KIMI_K3_DSA_INDEXER_DECODE_SHARD: bool = False\n"
-        "    VLLM_KIMI_K3_DSA_SPARSE_MLA_PADDED: bool = False\n",
+        "    VLLM_KIMI_K3_DSA_SPARSE_MLA_UNPADDED: bool = False\n",
     ),
     insert_before(
         _ENVS,
@@ -63,10 +63,10 @@ EDITS = (
         '    "VLLM_KIMI_K3_DSA_INDEXER_DECODE_SHARD": _kimi_k3_dsa_flag(\n'
         '        "<<indexer_decode_shard>>", "indexer_decode_shard"\n'
         "    ),\n"
-        "    # Kimi K3.1 DSA: sparse MLA below 64 heads on FlashMLA padded to 64\n"
-        "    # (vLLM's kernel) rather than the unpadded one.\n"
-        '    "VLLM_KIMI_K3_DSA_SPARSE_MLA_PADDED": _kimi_k3_dsa_flag(\n'
-        '        "<<sparse_mla_padded_forced>>", "sparse_mla_padded_forced"\n'
+        "    # Kimi K3.1 DSA: sparse MLA below 64 heads at the rank's own head\n"
+        "    # count rather than on FlashMLA padded to 64 (vLLM's kernel).\n"
+        '    "VLLM_KIMI_K3_DSA_SPARSE_MLA_UNPADDED": _kimi_k3_dsa_flag(\n'
+        '        "<<sparse_mla_unpadded>>", "sparse_mla_unpadded"\n'
         "    ),\n",
     ),
 )

@@ -16,12 +16,12 @@ from vllm.models.kimi_k3.common.dsa_envs import (
     FORCE_WRAPPER_ENV,
     INDEXER_DECODE_SHARD_ENV,
     MLA_KERNEL_PAGES_ENV,
-    SPARSE_MLA_PADDED_ENV,
+    SPARSE_MLA_UNPADDED_ENV,
     experimental_dcp,
     force_wrapper_forward,
     indexer_decode_shard,
     mla_kernel_pages_forced,
-    sparse_mla_padded_forced,
+    sparse_mla_unpadded,
 )
 
 
@@ -34,6 +34,4 @@ def apply() -> None:
     envs.environment_variables.setdefault(
         INDEXER_DECODE_SHARD_ENV, indexer_decode_shard
     )
-    envs.environment_variables.setdefault(
-        SPARSE_MLA_PADDED_ENV, sparse_mla_padded_forced
-    )
+    envs.environment_variables.setdefault(SPARSE_MLA_UNPADDED_ENV, sparse_mla_unpadded)

@@ -18,8 +18,9 @@ MLA_KERNEL_PAGES_ENV = "VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES"
 # Share the indexer's decode rows across the TP ranks (each scores its share
 # of the requests, one all-gather of the top-k rows).
 INDEXER_DECODE_SHARD_ENV = "VLLM_KIMI_K3_DSA_INDEXER_DECODE_SHARD"
-# Run sparse MLA below 64 heads on FlashMLA padded to 64, as vLLM does.
-SPARSE_MLA_PADDED_ENV = "VLLM_KIMI_K3_DSA_SPARSE_MLA_PADDED"
+# Run sparse MLA below 64 heads at the rank's own head count (sparse_mla_fp8)
+# instead of FlashMLA padded to 64 heads; opt-in while it is the slower one.
+SPARSE_MLA_UNPADDED_ENV = "VLLM_KIMI_K3_DSA_SPARSE_MLA_UNPADDED"
 ENV_PREFIX = "VLLM_KIMI_K3_DSA_"
 _ENV_BOOLS = {"0": False, "false": False, "1": True, "true": True}
 
@@ -72,10 +73,10 @@ def indexer_decode_shard() -> bool:
     return _env_flag(INDEXER_DECODE_SHARD_ENV)
 
 
-def sparse_mla_padded_forced() -> bool:
-    """Whether :data:`SPARSE_MLA_PADDED_ENV` keeps FlashMLA's padded kernel
-    below 64 heads."""
-    return _env_flag(SPARSE_MLA_PADDED_ENV)
+def sparse_mla_unpadded() -> bool:
+    """Whether :data:`SPARSE_MLA_UNPADDED_ENV` runs ``sparse_mla_fp8`` below
+    64 heads."""
+    return _env_flag(SPARSE_MLA_UNPADDED_ENV)
 
 
 def experimental_dcp() -> bool:

@@ -1,14 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""FlashMLA sparse for the Kimi K3.1 DSA layers, with the ``fp8_ds_mla``
-kernel run at the layer's own head count below 64 heads.
+"""FlashMLA sparse for the Kimi K3.1 DSA layers, with an opt-in
+``fp8_ds_mla`` kernel at the layer's own head count below 64 heads.
 
 FlashMLA's fp8 sparse kernel takes 64 or 128 query heads, so vLLM pads a
 TP 8 rank's 12 heads to 64, and below 32 heads sends prefill rows through
 that kernel too (its mixed batch). :func:`sparse_mla_fp8` reads the same
-pages and top-k slots at the real head count. DCP (which merges the
-kernel's LSE across ranks), 64 or more heads and the wrapper forward
-(upstream ops only) keep FlashMLA.
+pages and top-k slots at the real head count, but is still slower than the
+padded kernel, so it runs only with ``VLLM_KIMI_K3_DSA_SPARSE_MLA_UNPADDED=1``.
+DCP (which merges the kernel's LSE across ranks), 64 or more heads and the
+wrapper forward (upstream ops only) always keep FlashMLA.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.models.kimi_k3.common.dsa_envs import (
     force_wrapper_forward,
-    sparse_mla_padded_forced,
+    sparse_mla_unpadded,
 )
 from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import sparse_mla_fp8
 from vllm.v1.attention.backends.mla.flashmla_sparse import (
@@ -30,7 +31,7 @@ logger = init_logger(__name__)
 
 
 class KimiK3FlashMLASparseImpl(FlashMLASparseImpl):
-    """FlashMLA sparse, whose fp8 kernel runs unpadded below 64 heads."""
+    """FlashMLA sparse, whose fp8 kernel may run unpadded below 64 heads."""
 
     # Decided once, when the layer adopts the impl (the switches are read
     # when a layer is built, as the fused forward's are).
@@ -48,7 +49,7 @@ class KimiK3FlashMLASparseImpl(FlashMLASparseImpl):
             impl.num_heads < impl.fp8_decode_padded_heads
             and impl.kv_cache_dtype == "fp8_ds_mla"
             and not impl.need_to_return_lse_for_decode
-            and not sparse_mla_padded_forced()
+            and sparse_mla_unpadded()
             and not force_wrapper_forward()
         )
         if impl.runs_unpadded:
