@@ -283,16 +283,16 @@ def mla_dims(text_config: Any) -> dict[str, Any]:
     """The MLA arguments Kimi K3's decoder layer passes its attention, from a
     text config (``config`` included): what the layer tests and the layer
     benchmark build it with."""
-    return dict(
-        config=text_config,
-        hidden_size=text_config.hidden_size,
-        num_heads=text_config.num_attention_heads,
-        qk_nope_head_dim=text_config.qk_nope_head_dim,
-        qk_rope_head_dim=text_config.qk_rope_head_dim,
-        v_head_dim=text_config.v_head_dim,
-        q_lora_rank=text_config.q_lora_rank,
-        kv_lora_rank=text_config.kv_lora_rank,
+    same_names = (
+        "hidden_size",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "q_lora_rank",
+        "kv_lora_rank",
     )
+    dims = {name: getattr(text_config, name) for name in same_names}
+    return dict(config=text_config, num_heads=text_config.num_attention_heads, **dims)
 
 
 def checkpoint_dir_mode(existing: Path | None) -> int:
