@@ -88,6 +88,19 @@ class Dims:
         return self.index_head_dim**-0.5 * self.index_heads**-0.5
 
 
+# The Dims fields the command line sets.
+DIM_FLAGS = (
+    "q_lora",
+    "kv_lora",
+    "rope",
+    "index_head_dim",
+    "index_heads",
+    "padded_heads",
+    "topk",
+    "block",
+)
+
+
 @dataclass
 class Case:
     """One kernel: builds input sets, runs variants, counts bytes."""
@@ -615,36 +628,13 @@ def main() -> None:
         default=[],
         help="extra rows: the query kernels with these heads per program",
     )
-    for f in (
-        "q_lora",
-        "kv_lora",
-        "rope",
-        "index_head_dim",
-        "index_heads",
-        "padded_heads",
-        "topk",
-        "block",
-    ):
+    for f in DIM_FLAGS:
         p.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(Dims, f))
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmark_kimi_k3_dsa.py needs a CUDA GPU")
 
-    dims = Dims(
-        **{
-            f: getattr(args, f)
-            for f in (
-                "q_lora",
-                "kv_lora",
-                "rope",
-                "index_head_dim",
-                "index_heads",
-                "padded_heads",
-                "topk",
-                "block",
-            )
-        }
-    )
+    dims = Dims(**{f: getattr(args, f) for f in DIM_FLAGS})
     bw = copy_bandwidth()
     meta = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
