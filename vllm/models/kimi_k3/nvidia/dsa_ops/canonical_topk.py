@@ -50,7 +50,7 @@ def _check_inputs(
 if HAS_TRITON:
 
     @triton.jit
-    def _threshold_kernel(
+    def _canonical_topk_threshold_kernel(
         logits_ptr,
         l_s0,
         l_s1,
@@ -83,7 +83,7 @@ if HAS_TRITON:
         tl.store(counts_ptr + row * 3 + 2, 0)
 
     @triton.jit
-    def _tie_count_kernel(
+    def _canonical_topk_tie_count_kernel(
         logits_ptr,
         l_s0,
         l_s1,
@@ -110,7 +110,7 @@ if HAS_TRITON:
                 tl.atomic_add(counts_ptr + row * 3 + 2, ties)
 
     @triton.jit
-    def _write_kernel(
+    def _canonical_topk_write_kernel(
         logits_ptr,
         l_s0,
         l_s1,
@@ -201,9 +201,11 @@ def _launch(
         thresh,
         counts,
     )
-    _threshold_kernel[(rows,)](*row_args, K=k, BLOCK_K=block_k, num_warps=4)
+    _canonical_topk_threshold_kernel[(rows,)](
+        *row_args, K=k, BLOCK_K=block_k, num_warps=4
+    )
     segments = triton.cdiv(max(logits.shape[1], 1), _SEGMENT)
-    _tie_count_kernel[(rows, segments)](
+    _canonical_topk_tie_count_kernel[(rows, segments)](
         logits,
         *logits.stride(),
         row_lens,
@@ -212,6 +214,6 @@ def _launch(
         SEGMENT=_SEGMENT,
         num_warps=8,
     )
-    _write_kernel[(rows,)](
+    _canonical_topk_write_kernel[(rows,)](
         *row_args, K=k, BLOCK_K=block_k, SCAN_BLOCK=_SCAN_BLOCK, num_warps=8
     )
