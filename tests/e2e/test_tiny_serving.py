@@ -46,6 +46,8 @@ pytestmark = pytest.mark.gpu
 PROMPT_LENS = [len(p) for p in ALL_PROMPTS]
 FORCE_WRAPPER = {"VLLM_KIMI_K3_DSA_FORCE_WRAPPER": "1"}
 MLA_KERNEL_PAGES = {"VLLM_KIMI_K3_DSA_MLA_KERNEL_PAGES": "1"}
+SPARSE_MLA_UNPADDED = {"VLLM_KIMI_K3_DSA_SPARSE_MLA_UNPADDED": "1"}
+UNPADDED = "dsa-fused-graphs-sparse-mla-unpadded"
 FORCE_MQA = {"attention_config": {"sparse_mla_force_mqa": True}}
 EAGER = {"enforce_eager": True}
 REFERENCE = "dsa-fused-graphs-dense-mha"
@@ -61,6 +63,7 @@ ENGINES: dict[str, EngineSpec] = {
     "dsa-fused-eager-mla-kernel-pages": EngineSpec(
         env=MLA_KERNEL_PAGES, engine_kwargs=EAGER
     ),
+    UNPADDED: EngineSpec(env=SPARSE_MLA_UNPADDED),
     "dense-mla-short-graphs": EngineSpec(checkpoint="dense", prompts="short"),
     "dsa-multimodal-mtp-graphs": EngineSpec(
         checkpoint="dsa-multimodal",
@@ -196,6 +199,25 @@ def test_mla_kernel_pages_equal_whole_blocks(mode, one_gpu_runs, report_agreemen
     ), paged.kv_cache.workers[0]
     agreement = compare(whole, paged)
     report_agreement(f"whole-blocks-vs-kernel-pages-{mode}", agreement)
+    assert_agree(agreement)
+
+
+@pytest.mark.engines(REFERENCE, UNPADDED)
+def test_unpadded_sparse_mla_agrees_with_flashmla_padded(
+    one_gpu_runs, report_agreement
+):
+    """``VLLM_KIMI_K3_DSA_SPARSE_MLA_UNPADDED=1``: the checkpoint's 4 heads
+    run ``sparse_mla_fp8`` (decode and the prefill rows of vLLM's mixed batch)
+    instead of FlashMLA padded to 64 heads, the default; the tokens agree."""
+    padded = one_gpu_runs.run(REFERENCE)
+    unpadded = one_gpu_runs.run(UNPADDED)
+    assert padded.forward_paths == ["fused"], padded.forward_paths
+    assert unpadded.forward_paths == ["fused+unpadded-sparse-mla"], (
+        unpadded.forward_paths
+    )
+    assert_paths(unpadded)
+    agreement = compare(padded, unpadded)
+    report_agreement("flashmla-padded-vs-unpadded", agreement)
     assert_agree(agreement)
 
 

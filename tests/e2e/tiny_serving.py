@@ -442,17 +442,21 @@ def _watchdog(timeout_s: float, what: str) -> Iterator[None]:
 def dsa_forward_paths(model: Any) -> list[str]:
     """Which forward each DSA layer of ``model`` runs (in the engine process):
     ``fused`` or ``wrapper``, with ``+fused-insert`` when the wrapper inserts
-    the indexer keys with our kernel."""
+    the indexer keys with our kernel and ``+unpadded-sparse-mla`` when sparse
+    MLA runs ``sparse_mla_fp8`` instead of FlashMLA padded."""
     from vllm.models.kimi_k3.nvidia.dsa_model import dsa_attention_layers
 
     paths = set()
     for _, attn in dsa_attention_layers(model):
         if attn._packed is not None:
-            paths.add("fused")
+            path = "fused"
         elif attn.dsa_indexer.use_fused_k_insert:
-            paths.add("wrapper+fused-insert")
+            path = "wrapper+fused-insert"
         else:
-            paths.add("wrapper")
+            path = "wrapper"
+        if getattr(attn.mla_attn.mla_attn.impl, "runs_unpadded", False):
+            path += "+unpadded-sparse-mla"
+        paths.add(path)
     return sorted(paths)
 
 
