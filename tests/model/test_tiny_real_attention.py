@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -114,6 +114,25 @@ def variant_plan(capsys, checkpoint: Path, tp: int) -> dict[str, Any]:
         capsys, "--config", str(checkpoint), "--tp", str(tp),
         "--kv-budget", str(KV_BUDGET), "--max-model-len", str(MAX_MODEL_LEN),
     )  # fmt: skip
+
+
+class RankCase(NamedTuple):
+    """One TP size of the variant: its engine config and its plan."""
+
+    tp: int
+    cfg: Any
+    plan: dict[str, Any]
+
+
+@pytest.fixture(params=TP_SIZES, ids=lambda tp: f"tp{tp}")
+def rank(
+    request: pytest.FixtureRequest,
+    engine_configs: dict[int, Any],
+    checkpoint: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> RankCase:
+    tp = request.param
+    return RankCase(tp, engine_configs[tp], variant_plan(capsys, checkpoint, tp))
 
 
 # -- the variant ---------------------------------------------------------------
@@ -556,13 +575,8 @@ def test_model_builds_and_loads_at_tp1(dsa_layer_env, checkpoint: Path) -> None:
 # -- the packed KV block: the engine's sizing and the plan command ------------
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
 def test_plan_equals_the_engine_sizing(
-    engine_configs: dict[int, Any],
-    checkpoint: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-    tp: int,
+    rank: RankCase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from vllm.models.kimi_k3.common.dsa_block_size import (
         kda_state_bytes_for,
@@ -576,13 +590,12 @@ def test_plan_equals_the_engine_sizing(
         packed_row_bytes_per_token,
     )
 
-    cfg = engine_configs[tp]
+    tp, cfg, p = rank
     block = sm90_block_size(cfg, monkeypatch)
     mla = target_mla_bytes_per_token(cfg)
     index = indexer_cache_entry_bytes(INDEX_DIM, kimi_k3_indexer_uses_fp4(cfg))
     state = kda_state_bytes_for(cfg)
     assert packed_dsa_block_size(cfg, mla, state, 128) == block
-    p = variant_plan(capsys, checkpoint, tp)
     assert p["block_size"] == block == REAL_BLOCK[tp]
     assert (p["mla_bytes_per_token"], p["indexer_bytes_per_token"]) == (mla, index)
     assert (mla, index) == (656, 132)
@@ -613,13 +626,8 @@ def _worker_specs(block: int, tp: int) -> dict[str, Any]:
     return specs
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
 def test_planner_allocates_the_plans_blocks(
-    engine_configs: dict[int, Any],
-    checkpoint: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-    tp: int,
+    rank: RankCase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What the engine core does with its ``tp`` workers' KV specs and a KV
     budget (``kv_cache_memory_bytes``) on each: vLLM's grouping, per-worker
@@ -632,8 +640,7 @@ def test_planner_allocates_the_plans_blocks(
     )
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 
-    cfg = engine_configs[tp]
-    p = variant_plan(capsys, checkpoint, tp)
+    tp, cfg, p = rank
     # The layout the engine core resolves for our block-outermost backends.
     monkeypatch.setattr(cfg.cache_config, "kv_cache_layout", "BLHNC")
     specs = [_worker_specs(p["block_size"], tp) for _ in range(tp)]
