@@ -22,6 +22,7 @@ build its fp8 block-scaled linear.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -84,26 +85,50 @@ def blocks(rows: int, cols: int) -> Shape:
 # -- the table -------------------------------------------------------------
 
 
+WQ_B_BLOCKS = blocks(*WQ_B)
+
+# What the loader expects of each leaf (relative to ``...self_attn.``) and
+# how its error names that shape.
+EXPECTED: dict[str, tuple[Shape, str]] = {
+    "indexer.weights_proj.weight": (
+        (IDX_HEADS, HIDDEN), "index_num_heads x hidden_size"),
+    "indexer.wk.weight": ((IDX_DIM, HIDDEN), "index_head_dim x hidden_size"),
+    "indexer.wq_b.weight": (WQ_B, "index_num_heads*index_head_dim x q_lora_rank"),
+    "indexer.wq_b.weight_scale_inv": (
+        WQ_B_BLOCKS, f"block scales of the {WQ_B} fp8 weight"),
+    "indexer.k_norm.bias": ((IDX_DIM,), "(index_head_dim)"),
+    "indexer.k_norm.weight": ((IDX_DIM,), "(index_head_dim)"),
+    "q_a_proj.weight": ((Q_LORA, HIDDEN), "q_lora_rank x hidden_size"),
+    "kv_a_proj_with_mqa.weight": (
+        (KV_A, HIDDEN), "kv_lora_rank + qk_rope_head_dim x hidden_size"),
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class BadTensor:
-    """One wrong checkpoint tensor of a DSA layer (``leaf`` is relative to
-    ``...self_attn.``). ``kind``: ``bf16``, an ``fp8`` weight bound for a
-    bf16 parameter, or a ``scale`` sent after its (well-shaped) fp8 weight
-    of ``weight_shape``."""
+    """One wrong checkpoint tensor of a DSA layer. ``kind``: ``bf16``, an
+    ``fp8`` weight bound for a bf16 parameter, or a ``scale`` sent after its
+    (well-shaped) fp8 weight; ``note``: what the error adds."""
 
     leaf: str
     shape: Shape
-    expected: Shape
-    meaning: str
     kind: str = "bf16"
-    weight_shape: Shape | None = None
+    note: str = ""
+
+    @property
+    def expected(self) -> Shape:
+        return EXPECTED[self.leaf][0]
+
+    @property
+    def meaning(self) -> str:
+        meaning = EXPECTED[self.leaf][1]
+        return f"{meaning}); {self.note}" if self.note else meaning
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         if self.kind == "scale":
-            assert self.weight_shape is not None
-            weight = prefix + self.leaf.replace("weight_scale_inv", "weight")
+            weight = self.leaf.replace("weight_scale_inv", "weight")
             return {
-                weight: fp8(*self.weight_shape),
+                prefix + weight: fp8(*EXPECTED[weight][0]),
                 prefix + self.leaf: torch.rand(self.shape) + 0.5,
             }
         if self.kind == "fp8":
@@ -112,95 +137,24 @@ class BadTensor:
         return {prefix + self.leaf: torch.randn(self.shape, dtype=dtype)}
 
 
+def bad(case: str, leaf: str, *shape: int, **kwargs: str) -> Any:
+    return pytest.param(BadTensor(leaf, shape, **kwargs), id=case)
+
+
 BAD_TENSORS = [
-    pytest.param(
-        BadTensor(
-            "indexer.weights_proj.weight",
-            (IDX_HEADS + 4, HIDDEN),
-            (IDX_HEADS, HIDDEN),
-            "index_num_heads x hidden_size",
-        ),
-        id="weights_proj-extra-rows",
-    ),
-    pytest.param(
-        BadTensor(
-            "indexer.wk.weight",
-            (IDX_DIM + 2, HIDDEN),
-            (IDX_DIM, HIDDEN),
-            "index_head_dim x hidden_size",
-        ),
-        id="wk-130-rows",
-    ),
-    pytest.param(
-        BadTensor(
-            "indexer.wk.weight",
-            (HIDDEN, IDX_DIM),
-            (IDX_DIM, HIDDEN),
-            "index_head_dim x hidden_size); it looks transposed",
-        ),
-        id="wk-transposed",
-    ),
-    pytest.param(
-        BadTensor(
-            "indexer.wk.weight",
-            (HIDDEN, IDX_DIM),
-            (IDX_DIM, HIDDEN),
-            "index_head_dim x hidden_size",
-            kind="fp8",
-        ),
-        id="fp8-wk-transposed",
-    ),
-    pytest.param(
-        BadTensor(
-            "indexer.wq_b.weight",
-            (IDX_HEADS * IDX_DIM, HIDDEN),
-            (IDX_HEADS * IDX_DIM, Q_LORA),
-            "index_num_heads*index_head_dim x q_lora_rank",
-        ),
-        id="wq_b-without-q-lora",
-    ),
-    pytest.param(
-        BadTensor(
-            "indexer.k_norm.bias", (IDX_DIM - 1,), (IDX_DIM,), "(index_head_dim)"
-        ),
-        id="k_norm-bias-length",
-    ),
-    pytest.param(
-        BadTensor(
-            "indexer.k_norm.weight", (IDX_DIM, 1), (IDX_DIM,), "(index_head_dim)"
-        ),
-        id="k_norm-weight-2d",
-    ),
-    pytest.param(
-        BadTensor(
-            "q_a_proj.weight",
-            (Q_LORA + 64, HIDDEN),
-            (Q_LORA, HIDDEN),
-            "q_lora_rank x hidden_size",
-        ),
-        id="q_a_proj-extra-rows",
-    ),
-    pytest.param(
-        BadTensor(
-            "kv_a_proj_with_mqa.weight",
-            (KV_A - 64, HIDDEN),
-            (KV_A, HIDDEN),
-            "kv_lora_rank + qk_rope_head_dim x hidden_size",
-        ),
-        id="kv_a_proj-missing-rope-rows",
-    ),
-    pytest.param(
-        BadTensor(
-            "indexer.wq_b.weight_scale_inv",
-            (blocks(*WQ_B)[0] + 1, blocks(*WQ_B)[1]),
-            blocks(*WQ_B),
-            f"block scales of the {WQ_B} fp8 weight",
-            kind="scale",
-            weight_shape=WQ_B,
-        ),
-        id="fp8-wq_b-scale",
-    ),
-]
+    bad("weights_proj-rows", "indexer.weights_proj.weight", IDX_HEADS + 4, HIDDEN),
+    bad("wk-130-rows", "indexer.wk.weight", IDX_DIM + 2, HIDDEN),
+    bad("wk-transposed", "indexer.wk.weight", HIDDEN, IDX_DIM,
+        note="it looks transposed"),
+    bad("fp8-wk-transposed", "indexer.wk.weight", HIDDEN, IDX_DIM, kind="fp8"),
+    bad("wq_b-without-q-lora", "indexer.wq_b.weight", IDX_HEADS * IDX_DIM, HIDDEN),
+    bad("k_norm-bias-length", "indexer.k_norm.bias", IDX_DIM - 1),
+    bad("k_norm-weight-2d", "indexer.k_norm.weight", IDX_DIM, 1),
+    bad("q_a_proj-extra-rows", "q_a_proj.weight", Q_LORA + 64, HIDDEN),
+    bad("kv_a_proj-no-rope-rows", "kv_a_proj_with_mqa.weight", KV_A - 64, HIDDEN),
+    bad("fp8-wq_b-scale", "indexer.wq_b.weight_scale_inv",
+        WQ_B_BLOCKS[0] + 1, WQ_B_BLOCKS[1], kind="scale"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("bad", BAD_TENSORS)
