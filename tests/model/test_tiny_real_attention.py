@@ -135,6 +135,18 @@ def rank(
     return RankCase(tp, engine_configs[tp], variant_plan(capsys, checkpoint, tp))
 
 
+def assert_dsa_layer_shapes(shapes: dict[str, tuple[int, ...]], heads: int) -> None:
+    """The DSA layer's MLA projections hold ``heads``; its indexer all 32."""
+    p = f"model.layers.{DSA_LAYER}.self_attn."
+    assert shapes[p + "q_b_proj.weight"] == (heads * (QK_NOPE + QK_ROPE), Q_LORA)
+    assert shapes[p + "kv_b_proj.weight"] == (heads * (QK_NOPE + V_DIM), KV_LORA)
+    assert shapes[p + "o_proj.weight"] == (HIDDEN, heads * V_DIM)
+    assert shapes[p + "g_proj.weight"] == (heads * V_DIM, HIDDEN)
+    assert shapes[p + "indexer.wq_b.weight"] == (INDEX_HEADS * INDEX_DIM, Q_LORA)
+    assert shapes[p + "indexer.weights_proj.weight"] == (INDEX_HEADS, HIDDEN)
+    assert shapes[p + "indexer.k_norm.bias"] == (INDEX_DIM,)  # LayerNorm k-norm
+
+
 # -- the variant ---------------------------------------------------------------
 
 
@@ -188,14 +200,7 @@ def test_cli_writes_the_variant(checkpoint: Path) -> None:
         names = f.keys()  # a safe_open handle is not iterable
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in names}
     assert shapes == expected
-    p = f"model.layers.{DSA_LAYER}.self_attn."
-    assert shapes[p + "q_b_proj.weight"] == (HEADS * (QK_NOPE + QK_ROPE), Q_LORA)
-    assert shapes[p + "kv_b_proj.weight"] == (HEADS * (QK_NOPE + V_DIM), KV_LORA)
-    assert shapes[p + "o_proj.weight"] == (HIDDEN, HEADS * V_DIM)
-    assert shapes[p + "g_proj.weight"] == (HEADS * V_DIM, HIDDEN)
-    assert shapes[p + "indexer.wq_b.weight"] == (INDEX_HEADS * INDEX_DIM, Q_LORA)
-    assert shapes[p + "indexer.weights_proj.weight"] == (INDEX_HEADS, HIDDEN)
-    assert shapes[p + "indexer.k_norm.bias"] == (INDEX_DIM,)  # LayerNorm k-norm
+    assert_dsa_layer_shapes(shapes, HEADS)
     # bf16 values plus the safetensors header: ~209 MiB.
     size = weights.stat().st_size
     numel = sum(torch.Size(s).numel() for s in expected.values())
@@ -400,14 +405,8 @@ def test_cli_one_rank_weights_have_one_ranks_shapes(one_rank_checkpoint: Path) -
         names = f.keys()
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in names}
     assert shapes == W.tiny_checkpoint_shapes(config)
-    local = RANK_HEADS
-    p = f"model.layers.{DSA_LAYER}.self_attn."
-    assert shapes[p + "q_b_proj.weight"] == (local * (QK_NOPE + QK_ROPE), Q_LORA)
-    assert shapes[p + "kv_b_proj.weight"] == (local * (QK_NOPE + V_DIM), KV_LORA)
-    assert shapes[p + "o_proj.weight"] == (HIDDEN, local * V_DIM)
-    assert shapes[p + "g_proj.weight"] == (local * V_DIM, HIDDEN)
-    assert shapes[p + "indexer.wq_b.weight"] == (INDEX_HEADS * INDEX_DIM, Q_LORA)
-    assert shapes[p + "indexer.weights_proj.weight"] == (INDEX_HEADS, HIDDEN)
+    assert_dsa_layer_shapes(shapes, RANK_HEADS)
+    local = RANK_HEADS  # KDA heads, as MLA's
     kda = "model.layers.0.self_attn."
     for proj in ("q_proj", "k_proj", "v_proj"):
         assert shapes[kda + proj + ".weight"] == (local * KDA_DIM, HIDDEN)
