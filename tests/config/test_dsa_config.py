@@ -265,48 +265,43 @@ def test_bad_checkpoint_messages_are_distinct():
 
 # Serving flags refused for a valid checkpoint: (id, engine kwargs, text-config
 # overrides, message pattern).
-BAD_FLAGS = [
-    (
-        "kv-bfloat16",
+MXFP4 = {"attention_config": {"indexer_kv_dtype": "mxfp4"}}
+BAD_FLAGS = {
+    "kv-bfloat16": (
         {"kv_cache_dtype": "bfloat16"},
         {},
         r"--kv-cache-dtype 'bfloat16' is not supported for Kimi-K3.1 DSA models: "
         r"accepted values are \['auto', 'fp8', 'fp8_ds_mla', 'fp8_e4m3'\]",
     ),
-    (
-        "kv-fp8-e5m2",
+    "kv-fp8-e5m2": (
         {"kv_cache_dtype": "fp8_e5m2"},
         {},
         r"--kv-cache-dtype 'fp8_e5m2' is not supported",
     ),
-    (
-        "indexer-nvfp4",
+    "indexer-nvfp4": (
         {"attention_config": {"indexer_kv_dtype": "nvfp4"}},
         {},
         r"indexer_kv_dtype 'nvfp4' is not supported for Kimi-K3.1 DSA: accepted "
         r"values are \['auto', 'fp8', 'mxfp4'\]",
     ),
-    (
-        "mxfp4-rmsnorm",
-        {"attention_config": {"indexer_kv_dtype": "mxfp4"}},
+    "mxfp4-rmsnorm": (
+        MXFP4,
         {"dsa_config": dsa(index_k_norm_type="rmsnorm")},
         r"indexer_kv_dtype='mxfp4' needs the fused Kimi K3 DSA key insert .*"
         r"index_k_norm_type='rmsnorm'",
     ),
-    (
-        "mxfp4-rope",
-        {"attention_config": {"indexer_kv_dtype": "mxfp4"}},
+    # Indexer rope needs a rope MLA, which vLLM 0.33.0 cannot build: the NoPE
+    # rule refuses first.
+    "mxfp4-rope": (
+        MXFP4,
         {**ROPE_MODEL, "dsa_config": dsa(index_rope_dim=32)},
-        # Indexer rope needs a rope MLA, which vLLM 0.33.0 cannot build: the
-        # NoPE rule refuses first.
         r"mla_use_nope must be true for Kimi-K3.1 DSA",
     ),
-]
+}
 
 
 @pytest.mark.parametrize(
-    "kwargs,overrides,match",
-    [pytest.param(k, o, m, id=i) for i, k, o, m in BAD_FLAGS],
+    "kwargs,overrides,match", list(BAD_FLAGS.values()), ids=list(BAD_FLAGS)
 )
 def test_bad_serving_flags_refused(
     tiny_checkpoint, engine_config, kwargs, overrides, match
