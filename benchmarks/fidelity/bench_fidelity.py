@@ -726,13 +726,9 @@ def _environment(device: torch.device) -> dict[str, Any]:
                 if line.startswith("model name"):
                     name = line.split(":", 1)[1].strip()
                     break
+    git_head = ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"]
     try:
-        commit = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        commit = subprocess.check_output(git_head, text=True).strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
     return {
