@@ -32,17 +32,11 @@ def _git_env() -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith("GIT_") and k not in {"EMAIL"}
     }
-    env.update(
-        GIT_AUTHOR_NAME=AUTHOR,
-        GIT_AUTHOR_EMAIL=AUTHOR_EMAIL,
-        GIT_AUTHOR_DATE=DATE,
-        GIT_COMMITTER_NAME=AUTHOR,
-        GIT_COMMITTER_EMAIL=AUTHOR_EMAIL,
-        GIT_COMMITTER_DATE=DATE,
-        GIT_CONFIG_GLOBAL=os.devnull,
-        GIT_CONFIG_NOSYSTEM="1",
-        TZ="UTC",
-    )
+    for role in ("AUTHOR", "COMMITTER"):
+        env[f"GIT_{role}_NAME"] = AUTHOR
+        env[f"GIT_{role}_EMAIL"] = AUTHOR_EMAIL
+        env[f"GIT_{role}_DATE"] = DATE
+    env.update(GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1", TZ="UTC")
     return env
 
 
