@@ -121,10 +121,11 @@ def engine_pool(
     tiny_dsa: Path,
     report: Callable[..., None],
 ):
-    """Every engine run of the selected tests, started together in their own
-    processes (``engine_pool.EnginePool``; ``KIMI_K3_DSA_E2E_PARALLEL`` caps
-    how many run at once)."""
-    from engine_pool import EnginePool
+    """Every engine run of the selected tests, each in its own process
+    (``engine_pool.EnginePool``), as many at once as the GPU's memory holds
+    (``KIMI_K3_DSA_E2E_PARALLEL`` overrides that cap)."""
+    import torch
+    from engine_pool import EnginePool, engines_that_fit
     from tiny_serving import (
         ALL_PROMPTS,
         PREEMPT_PROMPTS,
@@ -161,6 +162,10 @@ def engine_pool(
         )
     work = e2e_dir / "engine_runs"
     work.mkdir(exist_ok=True)
+    fit = engines_that_fit(torch.cuda.get_device_properties(0).total_memory)
+    max_parallel = int(
+        os.environ.get("KIMI_K3_DSA_E2E_PARALLEL", min(len(specs) or 1, fit))
+    )
     pool = EnginePool(
         checkpoints,
         {
@@ -171,7 +176,7 @@ def engine_pool(
         },
         work,
         log_dir,
-        int(os.environ.get("KIMI_K3_DSA_E2E_PARALLEL", len(specs) or 1)),
+        max_parallel,
     )
     pool.submit(specs.items())
     yield pool

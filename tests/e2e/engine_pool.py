@@ -32,6 +32,11 @@ HERE = Path(__file__).resolve().parent
 KV_CACHE_BYTES = 1 << 30
 GPU_MEMORY_UTILIZATION = 0.04
 INDUCTOR_COMPILE_THREADS = 2
+# The most GPU memory one tiny engine holds (CUDA context, weights, KV cache,
+# CUDA graphs, workspaces; 6.6 GiB seen), and what the test process and the
+# ``vllm serve`` client keep: together they size how many engines run at once.
+ENGINE_PEAK_BYTES = 7 << 30
+RESERVED_BYTES = 4 << 30
 # A run's watchdog: each request, and twice that for the engine start (the
 # first engines on a fresh host spend minutes compiling, all at once).
 RUN_TIMEOUT_S = 360.0
@@ -230,6 +235,12 @@ class EnginePool:
             "engine_kwargs": kwargs,
             "log_dir": str(self.log_dir),
         }
+
+
+def engines_that_fit(total_bytes: int) -> int:
+    """How many engines may run at once on a GPU of ``total_bytes``: all of
+    them starting together must not run it out of memory."""
+    return max(1, (total_bytes - RESERVED_BYTES) // ENGINE_PEAK_BYTES)
 
 
 def _tail(path: Path, lines: int = 40) -> str:

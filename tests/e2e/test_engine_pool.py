@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from engine_pool import EnginePool, EngineSpec
+from engine_pool import EnginePool, EngineSpec, engines_that_fit
 from tiny_serving import (
     DECODE,
     DENSE_MHA_PREFILL,
@@ -81,6 +81,16 @@ def test_runs_are_concurrent_up_to_the_cap(pool_factory):
     # Submitting a label again does not run it again.
     pool.submit([("run0", EngineSpec())])
     assert len(pool.timings()) == 5
+
+
+@pytest.mark.parametrize(
+    "total_gib,engines",
+    [(79.18, 10), (139.8, 19), (8.0, 1)],
+    ids=["h100", "h200", "small"],
+)
+def test_engines_at_once_fit_the_gpus_memory(total_gib: float, engines: int):
+    # 22 engines at once ran an H100 out of memory (the H200 held 26).
+    assert engines_that_fit(int(total_gib * 2**30)) == engines
 
 
 def test_a_failed_run_raises_with_its_log(pool_factory):
