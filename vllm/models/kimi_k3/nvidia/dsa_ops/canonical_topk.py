@@ -51,18 +51,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _canonical_topk_threshold_kernel(
-        logits_ptr,
-        l_s0,
-        l_s1,
-        lens_ptr,
-        topk_ptr,
-        t_s0,
-        t_s1,
-        thresh_ptr,
-        counts_ptr,
-        K: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
+        logits_ptr, l_s0, l_s1, lens_ptr,
+        topk_ptr, t_s0, t_s1,
+        thresh_ptr, counts_ptr,
+        K: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
         # The k-th value and its tie counts (row may keep / top-k holds).
         row = tl.program_id(0).to(tl.int64)
         n = tl.load(lens_ptr + row)
@@ -111,19 +104,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _canonical_topk_write_kernel(
-        logits_ptr,
-        l_s0,
-        l_s1,
-        lens_ptr,
-        topk_ptr,
-        t_s0,
-        t_s1,
-        thresh_ptr,
-        counts_ptr,
-        K: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        SCAN_BLOCK: tl.constexpr,
-    ):
+        logits_ptr, l_s0, l_s1, lens_ptr,
+        topk_ptr, t_s0, t_s1,
+        thresh_ptr, counts_ptr,
+        K: tl.constexpr, BLOCK_K: tl.constexpr, SCAN_BLOCK: tl.constexpr,
+    ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         n = tl.load(lens_ptr + row)
         out = topk_ptr + row * t_s0

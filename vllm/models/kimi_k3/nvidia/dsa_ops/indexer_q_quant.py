@@ -109,24 +109,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _q_fp8_fold_weights_kernel(
-        q_ptr,
-        q_s0,
-        q_s1,
-        q_s2,
-        w_ptr,
-        w_s0,
-        w_s1,
-        q_out_ptr,
-        w_out_ptr,
-        weight_scale,
-        num_heads,
-        PADDED_HEADS: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        AMAX_FLOOR: tl.constexpr,
-        FP8_MAX: tl.constexpr,
-    ):
+        q_ptr, q_s0, q_s1, q_s2,
+        w_ptr, w_s0, w_s1,
+        q_out_ptr, w_out_ptr,
+        weight_scale, num_heads,
+        PADDED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr,
+    ):  # fmt: skip
         tok = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         dims = tl.arange(0, BLOCK_D)
@@ -172,26 +162,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _q_mxfp4_kernel(
-        q_ptr,
-        q_s0,
-        q_s1,
-        q_s2,
-        w_ptr,
-        w_s0,
-        w_s1,
-        q_out_ptr,
-        scale_out_ptr,
-        w_out_ptr,
-        weight_scale,
-        num_heads,
-        PADDED_HEADS: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        MX_BLOCK: tl.constexpr,
-        AMAX_FLOOR: tl.constexpr,
-        INV_E2M1_MAX: tl.constexpr,
+        q_ptr, q_s0, q_s1, q_s2,
+        w_ptr, w_s0, w_s1,
+        q_out_ptr, scale_out_ptr, w_out_ptr,
+        weight_scale, num_heads,
+        PADDED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr, MX_BLOCK: tl.constexpr,
+        AMAX_FLOOR: tl.constexpr, INV_E2M1_MAX: tl.constexpr,
         BF16_PAIRS: tl.constexpr,
-    ):
+    ):  # fmt: skip
         """``BF16_PAIRS``: ``q_ptr`` is the bf16 query viewed as int32 (strides
         in int32 units), each word one (even, odd) element pair, so the pair
         split is two bit operations instead of a register shuffle."""

@@ -233,25 +233,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _sparse_mla_split_kernel(
-        q_ptr,
-        q_token_stride,
-        q_head_stride,
-        cache_ptr,
-        cache_f32_ptr,
-        cache_bf16_ptr,
-        cache_block_stride,
-        block_size,
+        q_ptr, q_token_stride, q_head_stride,
+        cache_ptr, cache_f32_ptr, cache_bf16_ptr, cache_block_stride, block_size,
         num_slots,
-        idx_ptr,
-        idx_token_stride,
-        out_ptr,
-        lse_ptr,
-        num_heads,
-        topk,
-        split_len,
-        scale_log2,
+        idx_ptr, idx_token_stride,
+        out_ptr, lse_ptr,
+        num_heads, topk, split_len, scale_log2,
         SINGLE: tl.constexpr,
-    ):
+    ):  # fmt: skip
         token = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         num_splits = tl.num_programs(1)
