@@ -7,9 +7,9 @@ at the real head count, under graph replay.
 Per point: ``tokens`` query rows (a decode batch, or a prefill chunk run as
 the mixed batch runs it: one query a row), top-k 2048 random slots of a
 128K-token ``fp8_ds_mla`` cache in 64-token blocks, some -1. Reports each
-kernel's time, ours as a fraction of the padded one's, and the bytes the
-selected entries take as a fraction of the copy bandwidth. Needs vLLM
-installed (its FlashMLA).
+kernel's time (ours at every launch shape of ``TILE_CANDIDATES``), ours as a
+fraction of the padded one's, and the bytes the selected entries take as a
+fraction of the copy bandwidth. Needs vLLM installed (its FlashMLA).
 
     python3 benchmarks/kernels/bench_sparse_mla.py --json out.json
 """
@@ -81,7 +81,10 @@ def flashmla_padded(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor)
 
 
 def measure(mode: str, tokens: int, heads: int, reps: int, bandwidth: float) -> dict:
-    from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import sparse_mla_fp8
+    from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (
+        TILE_CANDIDATES,
+        sparse_mla_fp8,
+    )
 
     q, cache, indices = inputs(tokens, heads, seed=tokens * 131 + heads)
     if mode == "prefill":
@@ -89,9 +92,15 @@ def measure(mode: str, tokens: int, heads: int, reps: int, bandwidth: float) -> 
         calls = 1
     else:
         calls = 20
-    ours_us = time_graph(
-        lambda _: sparse_mla_fp8(q, cache, indices, SCALE), calls, reps
-    )
+    tiles_us = {
+        name: time_graph(
+            lambda _, t=tiles: sparse_mla_fp8(q, cache, indices, SCALE, tiles=t),
+            calls,
+            reps,
+        )
+        for name, tiles in TILE_CANDIDATES.items()
+    }
+    ours_us = tiles_us["n32w8"]
     padded_us = time_graph(flashmla_padded(q, cache, indices), calls, reps)
     nbytes = tokens * TOPK * cache.shape[-1] + q.numel() * 2 + tokens * heads * 1024
     return {
@@ -103,6 +112,7 @@ def measure(mode: str, tokens: int, heads: int, reps: int, bandwidth: float) -> 
         "flashmla_padded_us": padded_us,
         "ours_over_padded": ours_us / padded_us,
         "ours_copy_fraction": nbytes / (ours_us * 1e-6) / bandwidth,
+        "tiles_us": tiles_us,
     }
 
 
@@ -119,14 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     rows = []
     print(f"{'mode':>8} {'tokens':>6} {'heads':>5} {'ours us':>9} {'padded us':>9} "
-          f"{'ratio':>6} {'of copy':>7}")  # fmt: skip
+          f"{'ratio':>6} {'of copy':>7}  launch shapes / padded")  # fmt: skip
     for heads in args.heads:
         for mode, tokens in POINTS:
             row = measure(mode, tokens, heads, args.reps, bandwidth)
             rows.append(row)
             print(f"{mode:>8} {tokens:>6} {heads:>5} {row['ours_us']:>9.1f} "
                   f"{row['flashmla_padded_us']:>9.1f} {row['ours_over_padded']:>6.2f} "
-                  f"{row['ours_copy_fraction']:>7.2f}", flush=True)  # fmt: skip
+                  f"{row['ours_copy_fraction']:>7.2f}  " + " ".join(
+                      f"{name} {us / row['flashmla_padded_us']:.2f}"
+                      for name, us in row["tiles_us"].items()), flush=True)  # fmt: skip
     if args.json is not None:
         args.json.write_text(
             json.dumps({"copy_bandwidth": bandwidth, "points": rows}, indent=1)

@@ -18,6 +18,7 @@ from triton_interpreter import run_interpreted
 from vllm.models.kimi_k3.nvidia.dsa_ops.formats import fp8_ds_mla_entry
 from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (
     QK_DIM,
+    SparseMLATiles,
     dequantize_entries,
     sparse_mla_fp8,
     sparse_mla_fp8_reference,
@@ -85,6 +86,9 @@ def test_bad_inputs() -> None:
         sparse_mla_fp8(q, cache, idx[:1], SCALE)
     with pytest.raises(ValueError, match=r"indices must be int32 \[2, k > 0\]"):
         sparse_mla_fp8(q, cache, idx[:, :0], SCALE)
+    for tiles in (SparseMLATiles(24), SparseMLATiles(32, 6), SparseMLATiles(32, 8, 32)):
+        with pytest.raises(ValueError, match=r"block_n takes 16, 32 or 64, num_warps"):
+            sparse_mla_fp8(q, cache, idx, SCALE, tiles=tiles)
 
 
 INTERPRETED = """
@@ -96,8 +100,9 @@ from test_sparse_mla import packed_cache
 cache, _ = packed_cache(blocks=4, block_size=32, gap=72, seed=3)
 slots = cache.shape[0] * cache.shape[1]
 scale = 1 / math.sqrt(192)
-for trial, (tokens, heads, k, splits) in enumerate(
-    [(3, 12, 70, 1), (3, 12, 70, 2), (2, 20, 70, 3), (1, 16, 96, 3), (2, 5, 33, None)]
+for trial, (tokens, heads, k, splits, block_n) in enumerate(
+    [(3, 12, 70, 1, 32), (3, 12, 70, 2, 16), (2, 20, 70, 3, 32), (1, 16, 96, 3, 64),
+     (2, 5, 33, None, 16)]
 ):
     g = torch.Generator().manual_seed(trial)
     q = torch.randn(tokens, heads + 3, S.QK_DIM, generator=g).bfloat16()
@@ -111,7 +116,7 @@ for trial, (tokens, heads, k, splits) in enumerate(
     out = torch.full_like(ref_out, 7.0)
     lse = torch.full_like(ref_lse, 7.0)
     n = splits or S.default_num_splits(tokens, heads, k, programs=8)
-    S._launch(q, cache, idx, scale, n, out, lse)
+    S._launch(q, cache, idx, scale, n, out, lse, S.SparseMLATiles(block_n))
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 print("interpreted kernels match")

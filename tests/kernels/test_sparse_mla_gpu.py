@@ -17,6 +17,7 @@ from dsa_gpu_utils import flashmla_sparse_decode_op, requires_consumers, require
 
 from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (
     QK_DIM,
+    TILE_CANDIDATES,
     sparse_mla_fp8,
     sparse_mla_fp8_reference,
 )
@@ -62,6 +63,18 @@ def test_matches_the_reference(tokens: int, heads: int, k: int, splits) -> None:
     # The same inputs, the same bits.
     again, _ = sparse_mla_fp8(q, cache, idx, SCALE, num_splits=splits)
     assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("name", sorted(TILE_CANDIDATES))
+def test_every_tile_candidate_matches_the_reference(name: str) -> None:
+    cache = packed_cache(blocks=40, gap=200, seed=5)
+    q = torch.randn(9, 12, QK_DIM, device="cuda").bfloat16()
+    idx = random_indices(9, 2048, cache.shape[0] * BLOCK, seed=6)
+    tiles = TILE_CANDIDATES[name]
+    out, lse = sparse_mla_fp8(q, cache, idx, SCALE, tiles=tiles)
+    ref_out, ref_lse = sparse_mla_fp8_reference(q, cache, idx, SCALE)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
 def test_cuda_graph_replay_equals_eager() -> None:

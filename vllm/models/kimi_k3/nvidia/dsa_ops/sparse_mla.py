@@ -8,6 +8,7 @@ still fills the GPU. Absorbed form: the value is the 512-dim latent."""
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -25,11 +26,43 @@ from vllm.models.kimi_k3.nvidia.dsa_ops.torch_path import runs_torch_path
 
 QK_DIM = DS_MLA_NOPE_DIM + DS_MLA_ROPE_DIM
 _BLOCK_H = 16
-_BLOCK_N = 32
 # Programs per SM a launch aims at, and the fewest keys a split takes (its
 # partial output costs as much to write as 128 keys to read).
 _PROGRAMS_PER_SM = 2
 _MIN_SPLIT_KEYS = 128
+
+
+class SparseMLATiles(NamedTuple):
+    """The split kernel's launch shape: keys per loop step, warps, and a
+    register cap (``None``: the compiler's choice). Two programs share an SM
+    only at 128 registers or fewer."""
+
+    block_n: int = 32
+    num_warps: int = 8
+    maxnreg: int | None = None
+
+
+DEFAULT_TILES = SparseMLATiles()
+# The launch shapes the benchmark compares: at sm_90 the default takes 178
+# registers (one program an SM), the others 128 (two).
+TILE_CANDIDATES: dict[str, SparseMLATiles] = {
+    "n32w8": DEFAULT_TILES,
+    "n32w8r128": SparseMLATiles(32, 8, 128),
+    "n16w8": SparseMLATiles(16, 8),
+    "n64w8r128": SparseMLATiles(64, 8, 128),
+}
+
+
+def _check_tiles(tiles: SparseMLATiles) -> None:
+    if (
+        tiles.block_n not in (16, 32, 64)
+        or tiles.num_warps not in (4, 8, 16)
+        or not (tiles.maxnreg is None or 64 <= tiles.maxnreg <= 255)
+    ):
+        raise ValueError(
+            f"sparse_mla_fp8: tiles {tiles} out of range: block_n takes 16, 32 "
+            "or 64, num_warps 4, 8 or 16, maxnreg None or 64 to 255"
+        )
 
 
 def _check(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor) -> None:
@@ -124,6 +157,7 @@ def sparse_mla_fp8(
     indices: torch.Tensor,
     softmax_scale: float,
     num_splits: int | None = None,
+    tiles: SparseMLATiles = DEFAULT_TILES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each token's heads over its selected cache slots.
 
@@ -134,6 +168,7 @@ def sparse_mla_fp8(
     bf16 and ``lse [T, H]`` fp32 (natural log). CPU tensors take the torch
     path."""
     _check(q, kv_cache, indices)
+    _check_tiles(tiles)
     if runs_torch_path(q) or not HAS_TRITON:
         return sparse_mla_fp8_reference(q, kv_cache, indices, softmax_scale)
     tokens, heads, _ = q.shape
@@ -144,7 +179,7 @@ def sparse_mla_fp8(
     if num_splits is None:
         programs = _PROGRAMS_PER_SM * _sm_count(q.device.index or 0)
         num_splits = default_num_splits(tokens, heads, indices.shape[1], programs)
-    _launch(q, kv_cache, indices, softmax_scale, num_splits, out, lse)
+    _launch(q, kv_cache, indices, softmax_scale, num_splits, out, lse, tiles)
     return out, lse
 
 
@@ -169,11 +204,13 @@ def _launch(
     num_splits: int,
     out: torch.Tensor,
     lse: torch.Tensor,
+    tiles: SparseMLATiles = DEFAULT_TILES,
 ) -> None:
     tokens, heads, _ = q.shape
     topk = indices.shape[1]
     # Whole key blocks per split, so that splits never share a block.
-    split_len = triton.cdiv(triton.cdiv(topk, num_splits), _BLOCK_N) * _BLOCK_N
+    block_n = tiles.block_n
+    split_len = triton.cdiv(triton.cdiv(topk, num_splits), block_n) * block_n
     num_splits = -(-topk // split_len)
     single = num_splits == 1
     if single:
@@ -206,7 +243,9 @@ def _launch(
         split_len,
         softmax_scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         SINGLE=single,
-        num_warps=8,
+        BLOCK_N=block_n,
+        num_warps=tiles.num_warps,
+        **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}),
     )
     if not single:
         _sparse_mla_combine_kernel[(tokens, heads)](
@@ -229,7 +268,6 @@ if HAS_TRITON:
     SCALE_OFFSET = tl.constexpr(DS_MLA_SCALE_OFFSET)
     ROPE_OFFSET = tl.constexpr(DS_MLA_ROPE_OFFSET)
     BLOCK_H = tl.constexpr(_BLOCK_H)
-    BLOCK_N = tl.constexpr(_BLOCK_N)
 
     @triton.jit
     def _sparse_mla_split_kernel(
@@ -239,7 +277,7 @@ if HAS_TRITON:
         idx_ptr, idx_token_stride,
         out_ptr, lse_ptr,
         num_heads, topk, split_len, scale_log2,
-        SINGLE: tl.constexpr,
+        SINGLE: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         token = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
