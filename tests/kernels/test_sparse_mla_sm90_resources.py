@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``sparse_mla_fp8``'s launch shapes compiled for sm_90 on the CPU (Triton's
+bundled ptxas): none spills, and the candidates that claim two programs an
+SM fit in 128 registers. Timing them needs the GPU (``sparse-mla-bench``)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from vllm.models.kimi_k3.nvidia.dsa_ops import sparse_mla as S  # noqa: E402
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+POINTERS = {
+    "q_ptr": "*bf16",
+    "cache_ptr": "*u8",
+    "cache_f32_ptr": "*fp32",
+    "cache_bf16_ptr": "*bf16",
+    "idx_ptr": "*i32",
+    "out_ptr": "*bf16",
+    "lse_ptr": "*fp32",
+}
+# Integers the launcher passes 16-divisible in the suite's shapes.
+ALIGNED = {"q_token_stride", "q_head_stride", "cache_block_stride", "block_size"}
+
+
+def sm90_resources(tiles: S.SparseMLATiles) -> tuple[int, int]:
+    """Registers a thread and local (spill) bytes of the split kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = S._sparse_mla_split_kernel
+    names = kernel.arg_names
+    signature = {n: POINTERS.get(n, "i32") for n in names}
+    signature.update(scale_log2="fp32", SINGLE="constexpr", BLOCK_N="constexpr")
+    aligned = [n for n in names if n in POINTERS or n in ALIGNED]
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={
+            (names.index("SINGLE"),): True,
+            (names.index("BLOCK_N"),): tiles.block_n,
+        },
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
+    options = {"num_warps": tiles.num_warps}
+    if tiles.maxnreg is not None:
+        options["maxnreg"] = tiles.maxnreg
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return _usage(compiled.asm["cubin"])
+
+
+def _usage(cubin: bytes) -> tuple[int, int]:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run(
+            [str(CUOBJDUMP), "-res-usage", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    local = re.search(r"LOCAL:(\d+)", usage)
+    assert regs and local, usage
+    return int(regs.group(1)), int(local.group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="Triton's cuobjdump is missing")
+@pytest.mark.parametrize("name", sorted(S.TILE_CANDIDATES))
+def test_launch_shape_compiles_without_spills(name: str) -> None:
+    tiles = S.TILE_CANDIDATES[name]
+    regs, local = sm90_resources(tiles)
+    assert local == 0, f"{name} spills {local} bytes"
+    if tiles != S.DEFAULT_TILES:
+        assert regs <= 128, f"{name} takes {regs} registers: one program an SM"
