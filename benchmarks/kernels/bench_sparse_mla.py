@@ -82,6 +82,7 @@ def flashmla_padded(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor)
 
 def measure(mode: str, tokens: int, heads: int, reps: int, bandwidth: float) -> dict:
     from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (
+        DEFAULT_TILES,
         TILE_CANDIDATES,
         sparse_mla_fp8,
     )
@@ -100,7 +101,8 @@ def measure(mode: str, tokens: int, heads: int, reps: int, bandwidth: float) -> 
         )
         for name, tiles in TILE_CANDIDATES.items()
     }
-    ours_us = tiles_us["n32w8"]
+    default = next(n for n, t in TILE_CANDIDATES.items() if t == DEFAULT_TILES)
+    ours_us = tiles_us[default]
     padded_us = time_graph(flashmla_padded(q, cache, indices), calls, reps)
     nbytes = tokens * TOPK * cache.shape[-1] + q.numel() * 2 + tokens * heads * 1024
     return {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -57,8 +58,6 @@ def sm90_resources(tiles: S.SparseMLATiles) -> tuple[int, int]:
 
 
 def _usage(cubin: bytes) -> tuple[int, int]:
-    import tempfile
-
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
