@@ -13,7 +13,8 @@ attention inside the graph in FULL mode) and replayed; prefill chunks run
 eagerly, as vLLM runs them outside full graphs. ``--profile`` adds a
 per-stage breakdown of one eager step and the host time of building the
 layer's attention metadata (``metadata_build_us``, and per cache
-``metadata_build_us_by_cache``).
+``metadata_build_us_by_cache`` and its cProfile hotspots,
+``metadata_hotspots_by_cache``).
 
 Every point is measured on its own: one that fails is recorded with its error
 (and a decode step that cannot be captured is timed eagerly, saying so), the
@@ -228,6 +229,38 @@ def metadata_build_us(bench: S.LayerBench, reps: int) -> tuple[float, dict[str, 
     }
 
 
+def metadata_hotspots(
+    bench: S.LayerBench, reps: int, top: int = 15
+) -> dict[str, list[dict[str, Any]]]:
+    """Where each cache's metadata build spends its host time: the ``top``
+    functions by own time under cProfile, per build. cProfile slows Python
+    calls, so the shares matter, not the sums; torch ops and kernel launches
+    show as built-in calls."""
+    import cProfile
+    import pstats
+
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name, group in bench.groups.items():
+        group.build_metadata(bench.common)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(reps):
+            group.build_metadata(bench.common)
+        profiler.disable()
+        stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+        rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+        out[name] = [
+            dict(
+                function=f"{Path(file).name}:{line}({func})",
+                own_us=own * 1e6 / reps,
+                cumulative_us=cum * 1e6 / reps,
+                calls=calls / reps,
+            )
+            for (file, line, func), (_, calls, own, cum, _) in rows
+        ]
+    return out
+
+
 def specs(args: argparse.Namespace) -> list[S.Spec]:
     out = [
         S.Spec("decode", b, c, 1) for c in args.contexts for b in args.decode_batches
@@ -338,6 +371,9 @@ def measure(
                     out["metadata_build_us"],
                     out["metadata_build_us_by_cache"],
                 ) = S.under_env(kind, metadata_build_us, bench, args.reps)
+                out["metadata_hotspots_by_cache"] = S.under_env(
+                    kind, metadata_hotspots, bench, args.reps
+                )
             out["backends"] = dict(bench.backends)
             if kind in S.DENSE_LAYERS:
                 out.update(dense_fields(bench))

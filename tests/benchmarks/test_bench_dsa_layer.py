@@ -32,6 +32,7 @@ because a CPU cannot do it:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 import types
@@ -146,7 +147,9 @@ def cpu_stubs(monkeypatch):
     monkeypatch.setattr(dsa_cache, "get_compressed_slot_mapping", _torch_slots)
     monkeypatch.setattr(FS, "get_mla_metadata", lambda *a, **k: ("sched", None))
     monkeypatch.setattr(
-        DeepseekV32IndexerMetadataBuilder, "build", lambda self, p, common, f=0: common
+        DeepseekV32IndexerMetadataBuilder,
+        "build",
+        lambda self, p, common, f=0: dataclasses.replace(common),
     )
 
 
@@ -322,6 +325,28 @@ def test_metadata_build_time_covers_every_cache_group(
     bench.groups.clear()
     with pytest.raises(RuntimeError, match="no metadata builders"):
         B.metadata_build_us(bench, reps)
+
+
+def test_metadata_hotspots_name_each_builders_functions(configs, cpu_stubs):
+    """``--profile``'s hotspots list, per cache, the functions its builds
+    spend their own time in, per build, heaviest first."""
+    bench = S.setup("fused", SPECS[0], configs["fused"], CPU)
+    hotspots = B.metadata_hotspots(bench, reps=4, top=40)
+    assert set(hotspots) == set(bench.groups)
+    for name, rows in hotspots.items():
+        assert 0 < len(rows) <= 40
+        own = [r["own_us"] for r in rows]
+        assert own == sorted(own, reverse=True)
+        assert all(r["cumulative_us"] >= r["own_us"] >= 0 for r in rows)
+        # The builders' own code shows up (the indexer's build is stubbed on
+        # the CPU, its slot mapping is not).
+        functions = " ".join(r["function"] for r in rows)
+        builder = "_torch_slots" if name.endswith("k_cache") else "build"
+        assert builder in functions, (name, functions)
+        # Per build: the group's build_metadata runs once a repeat.
+        (entry,) = [r for r in rows if r["function"].endswith("(build_metadata)")]
+        assert entry["calls"] == 1
+        assert entry["cumulative_us"] >= max(own)
 
 
 # torch.cpu's ISA probes as three kinds of x86-64 host answer them (the suite
