@@ -87,7 +87,7 @@ def recorded_base_build(monkeypatch):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         seen.append(common_attn_metadata)
-        return "base-metadata"
+        return SimpleNamespace(slot_mapping=common_attn_metadata.slot_mapping)
 
     monkeypatch.setattr(DeepseekV32IndexerMetadataBuilder, "build", build)
     return seen
@@ -205,7 +205,7 @@ def test_builder_slots_follow_the_kernel_block_table(
         block_table_tensor=manager_table,
         slot_mapping=torch.tensor(manager_slots, dtype=torch.int64),
     )
-    assert group.build_metadata(common) == "base-metadata"
+    built = group.build_metadata(common)
 
     # Hand-computed: kernel page = manager block * stride + (p % 256) // 64.
     expected = []
@@ -215,8 +215,12 @@ def test_builder_slots_follow_the_kernel_block_table(
             page = block * stride + (p % MANAGER_BLOCK) // KERNEL_BLOCK
             expected.append(page * KERNEL_BLOCK + p % KERNEL_BLOCK)
     expected[-1] = -1
+    # The base build saw the runner's slot mapping, untouched; the indexer's
+    # metadata carries the kernel-page slots.
     (passed,) = recorded_base_build
-    slots = passed.slot_mapping
+    assert passed.slot_mapping is common.slot_mapping
+    assert common.slot_mapping.tolist() == manager_slots
+    slots = built.slot_mapping
     assert slots.tolist() == expected
     # The manager slots would have written other layers' pages.
     assert slots.tolist() != manager_slots

@@ -23,7 +23,6 @@ engine configuration.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -339,11 +338,12 @@ class KimiK3IndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
             dcp_world_size=self.dcp_world_size,
             cp_interleave=self.cp_kv_cache_interleave_size,
         )
-        return super().build(
-            common_prefix_len,
-            replace(common_attn_metadata, slot_mapping=slot_mapping),
-            fast_build,
-        )
+        # Without compression the base build only passes the common slot
+        # mapping through: set ours on its result rather than pay a dataclass
+        # ``replace`` of the common metadata every step.
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        metadata.slot_mapping = slot_mapping
+        return metadata
 
 
 class KimiK3IndexerBackend(DeepseekV32IndexerBackend):
