@@ -393,13 +393,14 @@ SUITES: dict[str, Suite] = {
     ),
     "layer-profile": Suite(
         "python3 benchmarks/layer/bench_dsa_layer.py --layers fused wrapper "
-        "dense-bf16 dense-fp8 --tp-heads 12 --decode-batches 1 8 64 "
+        "v32 dense-bf16 dense-fp8 --tp-heads 12 --decode-batches 1 8 64 "
         "--contexts 131072 --prefill-chunks --reps 30 --profile "
         "--json $LOGS/layer.json",
         VLLM_ENV,
         600,
-        "the decode step at 128K, one TP 8 rank's heads: DSA against dense "
-        "MLA, per-stage kernel times and the host's metadata build",
+        "the decode step at 128K, one TP 8 rank's heads: DSA against vLLM's "
+        "V3.2 layer and dense MLA, per-stage kernel times and the host's "
+        "metadata build with its hotspots",
     ),
     "layer-small": Suite(
         "python3 benchmarks/layer/bench_dsa_layer.py --layers fused wrapper v32 "
