@@ -69,6 +69,9 @@ STAGE_PATTERNS: list[tuple[str, str]] = [
      r"|layer_?norm|concat_and_cache|indexer_k_quant_and_cache|FillFunctor"),
     ("q_quant", r"q_fp8_fold_weights|q_mxfp4|_fused_q_kernel|group_quant"),
     ("indexer_logits", r"mqa_logits|clean_logits"),
+    # canonical_topk's kernels (Triton names them by function), before vLLM's.
+    ("canonical_topk", r"canonical_topk|^_threshold_kernel|^_tie_count_kernel"
+     r"|^_write_kernel"),
     ("topk", r"topk|top_k|radix|sort"),
     ("sparse_attn", r"flash|sparse|mla|convert_req_index|combine"),
     ("gate_o_proj", r"sigmoid|gate"),
