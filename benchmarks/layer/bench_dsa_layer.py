@@ -177,9 +177,25 @@ def time_step(
         return _median_us(lambda: forward(bench, graph=False), reps), reason
 
 
-def profile_step(bench: S.LayerBench) -> tuple[dict[str, float], list[str]]:
-    """Per-stage kernel microseconds of one eager step, and the names of the
-    kernels no pattern matched (to fix :data:`STAGE_PATTERNS`)."""
+def step_breakdown(
+    names: list[str], durations_us: list[float]
+) -> tuple[dict[str, float], list[str], dict[str, float]]:
+    """One step's kernels (in launch order) summed per stage, the names no
+    pattern matched (to fix :data:`STAGE_PATTERNS`), and each kernel name's
+    total (names cut to 120 characters)."""
+    stages: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for name, us, stage in zip(names, durations_us, classify(names), strict=True):
+        stages[stage] = stages.get(stage, 0.0) + us
+        kernels[name[:120]] = kernels.get(name[:120], 0.0) + us
+    unclassified = sorted({n for n in names if classify([n]) == ["other"]})
+    return stages, unclassified, kernels
+
+
+def profile_step(
+    bench: S.LayerBench,
+) -> tuple[dict[str, float], list[str], dict[str, float]]:
+    """:func:`step_breakdown` of one eager step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -193,11 +209,9 @@ def profile_step(bench: S.LayerBench) -> tuple[dict[str, float], list[str]]:
         (e for e in prof.events() if e.device_type == DeviceType.CUDA),
         key=lambda e: e.time_range.start,
     )
-    stages: dict[str, float] = {}
-    names = [e.name for e in kernels]
-    for e, stage in zip(kernels, classify(names), strict=True):
-        stages[stage] = stages.get(stage, 0.0) + e.time_range.elapsed_us()
-    return stages, sorted({n for n in names if classify([n]) == ["other"]})
+    return step_breakdown(
+        [e.name for e in kernels], [e.time_range.elapsed_us() for e in kernels]
+    )
 
 
 def metadata_build_us(bench: S.LayerBench, reps: int) -> tuple[float, dict[str, float]]:
@@ -369,7 +383,7 @@ def measure(
                 if eager_reason is not None:
                     out["graph_error"] = eager_reason
             if args.profile:
-                out["stages_us"], out["unclassified"] = stages
+                out["stages_us"], out["unclassified"], out["kernels_us"] = stages
                 (
                     out["metadata_build_us"],
                     out["metadata_build_us_by_cache"],

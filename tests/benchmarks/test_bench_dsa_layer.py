@@ -853,6 +853,30 @@ def test_classifier_on_kernel_names():
     ]
 
 
+def test_step_breakdown_sums_stages_and_kernels():
+    names = [
+        "void dsa_prologue_kernel(PrologueArgs)",
+        "_canonical_topk_threshold_kernel",
+        "sparse_attn_fwd",
+        "x" * 200,
+        "_canonical_topk_threshold_kernel",
+    ]
+    stages, unclassified, kernels = B.step_breakdown(names, [1.0, 2.0, 3.0, 4.0, 5.0])
+    assert stages == {
+        "prologue": 1.0,
+        "canonical_topk": 7.0,
+        "sparse_attn": 3.0,
+        "other": 4.0,
+    }
+    assert unclassified == ["x" * 200]
+    assert kernels == {
+        names[0]: 1.0,
+        names[1]: 7.0,
+        names[2]: 3.0,
+        "x" * 120: 4.0,
+    }
+
+
 def test_table_ratios(capsys):
     rec = dict(heads=12, mode="decode", batch=8, context=4096, tokens=8)
     B.print_table(
