@@ -58,19 +58,26 @@ INTERPRETED = textwrap.dedent(
     from vllm.models.kimi_k3.nvidia.dsa_ops import canonical_topk as C
     from vllm.models.kimi_k3.nvidia.dsa_ops import reference
 
-    C._SEGMENT, C._SCAN_BLOCK = 256, 64  # several segments and scan steps
+    C._SEGMENT, C._FILL_BLOCK = 256, 16  # several segments and fill steps
     g = torch.Generator().manual_seed(0)
     for trial in range(12):
-        k = [5, 37, 64][trial % 3]
-        lens = [700, k, k + 1, 3, 0, 513]
-        if trial % 4 == 3:
-            logits = torch.randn(len(lens), 700, generator=g)
+        # 150: more than the top value's ties, so the threshold is the next
+        # value and earlier segments hold more ties than the top-k keeps.
+        k = [5, 37, 64, 150][trial % 4]
+        # 760: a row length past the scored columns (only 700 are scored).
+        lens = [700, k, k + 1, 3, 0, 513, 760]
+        if trial % 3 == 2:
+            scores = torch.randn(len(lens), 700, generator=g)
         else:
-            logits = torch.randint(0, 6, (len(lens), 700), generator=g).float()
+            scores = torch.randint(0, 6, (len(lens), 700), generator=g).float()
+        # A strided view whose hidden columns would win if they were read.
+        padded = torch.full((len(lens), 800), 1e9)
+        padded[:, :700] = scores
+        logits = padded[:, :700]
         row_lens = torch.tensor(lens, dtype=torch.int32)
         buf = torch.full((len(lens), k + 3), -7, dtype=torch.int32)
         for r, n in enumerate(lens):  # any correct top-k, any order
-            perm = torch.randperm(n, generator=g)
+            perm = torch.randperm(min(n, 700), generator=g)
             top = torch.sort(logits[r, perm], descending=True, stable=True)
             kept = perm[top.indices[:k]]
             kept = kept[torch.randperm(kept.numel(), generator=g)]
@@ -80,6 +87,13 @@ INTERPRETED = textwrap.dedent(
         reference.canonical_topk(logits, row_lens, expected[:, :k])
         C._launch(logits, row_lens, buf[:, :k])
         assert torch.equal(buf, expected), (trial, buf, expected)
+    # A row length past fewer scored columns than k: only those 40 count.
+    padded = torch.full((1, 64), 1e9)
+    padded[:, :40] = torch.randn(1, 40, generator=g)
+    out = torch.cat([torch.randperm(40, generator=g), torch.full((8,), -1)])
+    out = out.int().unsqueeze(0)
+    C._launch(padded[:, :40], torch.tensor([60], dtype=torch.int32), out)
+    assert out.tolist() == [list(range(40)) + [-1] * 8], out
     print("interpreted kernels match")
     """
 )

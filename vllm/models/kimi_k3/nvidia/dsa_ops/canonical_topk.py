@@ -14,9 +14,11 @@ from vllm.models.kimi_k3.nvidia.dsa_ops.torch_path import (
     runs_torch_path,
 )
 
-# Columns each tie-count program reads, and each step of the rescan.
+# Columns each count and write program covers: a row is written in column
+# order by its segments in parallel, no sort.
 _SEGMENT = 4096
-_SCAN_BLOCK = 1024
+# The -1 tail's store width.
+_FILL_BLOCK = 1024
 
 
 def _check_inputs(
@@ -51,14 +53,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _canonical_topk_threshold_kernel(
-        logits_ptr, l_s0, l_s1, lens_ptr,
+        logits_ptr, l_s0, l_s1, lens_ptr, width,
         topk_ptr, t_s0, t_s1,
-        thresh_ptr, counts_ptr,
+        thresh_ptr, need_eq_ptr,
         K: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        # The k-th value and its tie counts (row may keep / top-k holds).
+        # The k-th value, and how many of the row's ties at it the top-k keeps.
         row = tl.program_id(0).to(tl.int64)
-        n = tl.load(lens_ptr + row)
+        n = tl.minimum(tl.load(lens_ptr + row), width)
         j = tl.arange(0, BLOCK_K)
         idx = tl.load(topk_ptr + row * t_s0 + j * t_s1, mask=j < K, other=-1)
         valid = (idx >= 0) & (idx < n)
@@ -69,88 +71,79 @@ if HAS_TRITON:
         )
         thresh = tl.min(tl.where(valid, x, float("inf")), axis=0)
         num_gt = tl.sum((valid & (x > thresh)).to(tl.int32), axis=0)
-        num_eq = tl.sum((valid & (x == thresh)).to(tl.int32), axis=0)
         tl.store(thresh_ptr + row, thresh)
-        tl.store(counts_ptr + row * 3, K - num_gt)
-        tl.store(counts_ptr + row * 3 + 1, num_eq)
-        tl.store(counts_ptr + row * 3 + 2, 0)
+        tl.store(need_eq_ptr + row, K - num_gt)
 
     @triton.jit
-    def _canonical_topk_tie_count_kernel(
-        logits_ptr,
-        l_s0,
-        l_s1,
-        lens_ptr,
-        thresh_ptr,
-        counts_ptr,
+    def _canonical_topk_count_kernel(
+        logits_ptr, l_s0, l_s1, lens_ptr, width,
+        thresh_ptr, seg_counts_ptr,
         SEGMENT: tl.constexpr,
-    ):
+    ):  # fmt: skip
+        # Per segment: columns above the threshold, and ties at it.
         row = tl.program_id(0).to(tl.int64)
-        start = tl.program_id(1) * SEGMENT
-        n = tl.load(lens_ptr + row)
-        if start < n:
-            thresh = tl.load(thresh_ptr + row)
-            cols = start + tl.arange(0, SEGMENT)
-            in_row = cols < n
-            x = tl.load(
-                logits_ptr + row * l_s0 + cols.to(tl.int64) * l_s1,
-                mask=in_row,
-                other=float("-inf"),
-            )
-            ties = tl.sum((in_row & (x == thresh)).to(tl.int32), axis=0)
-            if ties > 0:
-                # An integer sum: the same whatever the programs' order.
-                tl.atomic_add(counts_ptr + row * 3 + 2, ties)
+        seg = tl.program_id(1)
+        segments = tl.num_programs(1)
+        n = tl.minimum(tl.load(lens_ptr + row), width)
+        cols = seg * SEGMENT + tl.arange(0, SEGMENT)
+        in_row = cols < n
+        thresh = tl.load(thresh_ptr + row)
+        x = tl.load(
+            logits_ptr + row * l_s0 + cols.to(tl.int64) * l_s1,
+            mask=in_row,
+            other=float("-inf"),
+        )
+        counts = seg_counts_ptr + (row * segments + seg) * 2
+        tl.store(counts, tl.sum((in_row & (x > thresh)).to(tl.int32), axis=0))
+        tl.store(counts + 1, tl.sum((in_row & (x == thresh)).to(tl.int32), axis=0))
 
     @triton.jit
     def _canonical_topk_write_kernel(
-        logits_ptr, l_s0, l_s1, lens_ptr,
+        logits_ptr, l_s0, l_s1, lens_ptr, width,
         topk_ptr, t_s0, t_s1,
-        thresh_ptr, counts_ptr,
-        K: tl.constexpr, BLOCK_K: tl.constexpr, SCAN_BLOCK: tl.constexpr,
+        thresh_ptr, need_eq_ptr, seg_counts_ptr,
+        K: tl.constexpr, SEGMENT: tl.constexpr, SEGMENTS_BLOCK: tl.constexpr,
+        FILL_BLOCK: tl.constexpr,
     ):  # fmt: skip
+        # Each segment writes its kept columns after the earlier segments'.
         row = tl.program_id(0).to(tl.int64)
-        n = tl.load(lens_ptr + row)
+        seg = tl.program_id(1)
+        segments = tl.num_programs(1)
+        n = tl.minimum(tl.load(lens_ptr + row), width)
         out = topk_ptr + row * t_s0
-        j = tl.arange(0, BLOCK_K)
+        cols = seg * SEGMENT + tl.arange(0, SEGMENT)
         if n <= K:
-            tl.store(out + j * t_s1, tl.where(j < n, j, -1), mask=j < K)
+            tl.store(out + cols * t_s1, cols, mask=cols < n)
+            total = n
         else:
-            need_eq = tl.load(counts_ptr + row * 3)
-            held_eq = tl.load(counts_ptr + row * 3 + 1)
-            row_eq = tl.load(counts_ptr + row * 3 + 2)
-            if row_eq == held_eq:
-                # The given top-k is the canonical set: sort it.
-                idx = tl.load(out + j * t_s1, mask=j < K, other=-1)
-                big = 0x7FFFFFFF
-                idx = tl.where((idx >= 0) & (idx < n), idx, big)
-                idx = tl.sort(idx)
-                tl.store(out + j * t_s1, tl.where(idx == big, -1, idx), mask=j < K)
-            else:
+            need_eq = tl.load(need_eq_ptr + row)
+            s = tl.arange(0, SEGMENTS_BLOCK)
+            counts = seg_counts_ptr + (row * segments + s) * 2
+            gt = tl.load(counts, mask=s < segments, other=0)
+            eq = tl.load(counts + 1, mask=s < segments, other=0)
+            eq_before = tl.sum(tl.where(s < seg, eq, 0), axis=0)
+            kept_before = tl.sum(tl.where(s < seg, gt, 0), axis=0) + tl.minimum(
+                eq_before, need_eq
+            )
+            if kept_before < K:
                 thresh = tl.load(thresh_ptr + row)
-                kept = tl.zeros((), dtype=tl.int32)
-                ties_seen = tl.zeros((), dtype=tl.int32)
-                for start in range(0, n, SCAN_BLOCK):
-                    cols = start + tl.arange(0, SCAN_BLOCK)
-                    in_row = cols < n
-                    x = tl.load(
-                        logits_ptr + row * l_s0 + cols.to(tl.int64) * l_s1,
-                        mask=in_row,
-                        other=float("-inf"),
-                    )
-                    eq = (in_row & (x == thresh)).to(tl.int32)
-                    tie_rank = ties_seen + tl.cumsum(eq, axis=0) - eq
-                    keep = (in_row & (x > thresh)) | ((eq > 0) & (tie_rank < need_eq))
-                    keep_i = keep.to(tl.int32)
-                    slot = kept + tl.cumsum(keep_i, axis=0) - keep_i
-                    tl.store(out + slot * t_s1, cols, mask=keep & (slot < K))
-                    kept += tl.sum(keep_i, axis=0)
-                    ties_seen += tl.sum(eq, axis=0)
-                tl.store(
-                    out + j * t_s1,
-                    tl.full((BLOCK_K,), -1, tl.int32),
-                    mask=(j >= kept) & (j < K),
+                in_row = cols < n
+                x = tl.load(
+                    logits_ptr + row * l_s0 + cols.to(tl.int64) * l_s1,
+                    mask=in_row,
+                    other=float("-inf"),
                 )
+                tie = (in_row & (x == thresh)).to(tl.int32)
+                tie_rank = eq_before + tl.cumsum(tie, axis=0) - tie
+                keep = (in_row & (x > thresh)) | ((tie > 0) & (tie_rank < need_eq))
+                keep_i = keep.to(tl.int32)
+                slot = kept_before + tl.cumsum(keep_i, axis=0) - keep_i
+                tl.store(out + slot * t_s1, cols, mask=keep & (slot < K))
+            total = tl.sum(gt, axis=0) + tl.minimum(tl.sum(eq, axis=0), need_eq)
+        if seg == 0:
+            for start in range(0, K, FILL_BLOCK):
+                j = start + tl.arange(0, FILL_BLOCK)
+                tl.store(out + j * t_s1, -1, mask=(j >= total) & (j < K))
 
 
 def canonical_topk(
@@ -173,32 +166,22 @@ def _launch(
     logits: torch.Tensor, row_lens: torch.Tensor, topk_indices: torch.Tensor
 ) -> None:
     rows, k = topk_indices.shape
-    thresh = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    counts = torch.empty(rows, 3, dtype=torch.int32, device=logits.device)
-    block_k = triton.next_power_of_2(k)
-    # The threshold and write kernels take the same arguments.
-    row_args = (
-        logits,
-        *logits.stride(),
-        row_lens,
-        topk_indices,
-        *topk_indices.stride(),
-        thresh,
-        counts,
-    )
-    _canonical_topk_threshold_kernel[(rows,)](
-        *row_args, K=k, BLOCK_K=block_k, num_warps=4
-    )
     segments = triton.cdiv(max(logits.shape[1], 1), _SEGMENT)
-    _canonical_topk_tie_count_kernel[(rows, segments)](
-        logits,
-        *logits.stride(),
-        row_lens,
-        thresh,
-        counts,
-        SEGMENT=_SEGMENT,
-        num_warps=8,
+    device = logits.device
+    thresh = torch.empty(rows, dtype=torch.float32, device=device)
+    need_eq = torch.empty(rows, dtype=torch.int32, device=device)
+    seg_counts = torch.empty(rows, segments, 2, dtype=torch.int32, device=device)
+    row_args = (logits, *logits.stride(), row_lens, logits.shape[1])
+    topk_args = (topk_indices, *topk_indices.stride())
+    _canonical_topk_threshold_kernel[(rows,)](
+        *row_args, *topk_args, thresh, need_eq,
+        K=k, BLOCK_K=triton.next_power_of_2(k), num_warps=4,
+    )  # fmt: skip
+    _canonical_topk_count_kernel[(rows, segments)](
+        *row_args, thresh, seg_counts, SEGMENT=_SEGMENT, num_warps=8
     )
-    _canonical_topk_write_kernel[(rows,)](
-        *row_args, K=k, BLOCK_K=block_k, SCAN_BLOCK=_SCAN_BLOCK, num_warps=8
-    )
+    _canonical_topk_write_kernel[(rows, segments)](
+        *row_args, *topk_args, thresh, need_eq, seg_counts,
+        K=k, SEGMENT=_SEGMENT, SEGMENTS_BLOCK=triton.next_power_of_2(segments),
+        FILL_BLOCK=_FILL_BLOCK, num_warps=8,
+    )  # fmt: skip
