@@ -70,8 +70,7 @@ STAGE_PATTERNS: list[tuple[str, str]] = [
     ("q_quant", r"q_fp8_fold_weights|q_mxfp4|_fused_q_kernel|group_quant"),
     ("indexer_logits", r"mqa_logits|clean_logits"),
     # canonical_topk's kernels (Triton names them by function), before vLLM's.
-    ("canonical_topk", r"canonical_topk|^_threshold_kernel|^_tie_count_kernel"
-     r"|^_write_kernel"),
+    ("canonical_topk", r"canonical_topk"),
     ("topk", r"topk|top_k|radix|sort"),
     ("sparse_attn", r"flash|sparse|mla|convert_req_index|combine"),
     ("gate_o_proj", r"sigmoid|gate"),

@@ -830,8 +830,10 @@ def test_classifier_on_kernel_names():
         "void deep_gemm::sm90_fp8_paged_mqa_logits<128u, 32u>(...)": "indexer_logits",
         "void topKPerRowDecode<1024>(float const*, int*, ...)": "topk",
         "_canonical_topk_threshold_kernel": "canonical_topk",
-        "_tie_count_kernel": "canonical_topk",
-        "_write_kernel": "canonical_topk",
+        "_canonical_topk_count_kernel": "canonical_topk",
+        "_canonical_topk_write_kernel": "canonical_topk",
+        # radix_topk's write kernel is not canonical_topk's.
+        "_write_kernel": "other",
         "flash_fwd_splitkv_mla_fp8_sparse_kernel": "sparse_attn",
         "_convert_req_index_to_global_index_kernel": "sparse_attn",
         "nvjet_tst_128x64_64x8_1x1_v_bz_TNT": "gate_o_proj",  # after attention
