@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -73,3 +74,22 @@ def packed_kimi_k3_1(vllm_config_for) -> Callable[[int], tuple[int, int, Any]]:
             cfg.cache_config.kv_cache_layout = saved
 
     return plan
+
+
+@pytest.fixture
+def recorded_base_build(monkeypatch) -> list[Any]:
+    """Stub of ``DeepseekV32IndexerMetadataBuilder.build``, which plans
+    DeepGEMM's decode schedule on a GPU: it records the common metadata our
+    indexer builder hands it and passes its slot mapping through."""
+    from vllm.v1.attention.backends.mla.indexer import (
+        DeepseekV32IndexerMetadataBuilder,
+    )
+
+    seen: list[Any] = []
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        seen.append(common_attn_metadata)
+        return SimpleNamespace(slot_mapping=common_attn_metadata.slot_mapping)
+
+    monkeypatch.setattr(DeepseekV32IndexerMetadataBuilder, "build", build)
+    return seen

@@ -13,7 +13,7 @@ Stubbed, because a CPU cannot do it:
   (``TRITON_INTERPRET=1``);
 * the base ``DeepseekV32IndexerMetadataBuilder.build``, which plans DeepGEMM
   decode scheduling on the GPU: it is replaced by a recorder of the metadata
-  our builder hands it.
+  our builder hands it (``recorded_base_build`` in conftest.py).
 """
 
 from __future__ import annotations
@@ -75,22 +75,6 @@ def interpreted_slot_kernel(monkeypatch):
 
     monkeypatch.setattr(compressor_utils, "_COMPRESSED_SLOT_MAPPING_KERNEL", launch)
     return calls
-
-
-@pytest.fixture
-def recorded_base_build(monkeypatch):
-    from vllm.v1.attention.backends.mla.indexer import (
-        DeepseekV32IndexerMetadataBuilder,
-    )
-
-    seen = []
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        seen.append(common_attn_metadata)
-        return SimpleNamespace(slot_mapping=common_attn_metadata.slot_mapping)
-
-    monkeypatch.setattr(DeepseekV32IndexerMetadataBuilder, "build", build)
-    return seen
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from vllm.v1.worker.kernel_pages import (
     SLOTS_FROM_BUILDER,
     SLOTS_FROM_RUNNER,
     KernelPageSlots,
+    bind_builder_kernel_pages,
     configure_block_tables,
     kernel_page_slot_groups,
     remap_slot_mapping_rows,
@@ -100,6 +101,7 @@ def _group(gid: int, capability, pages: int | None, stride: int = 8):
         kernel_block_size=pages,
         kernel_block_stride=stride,
         kv_cache_spec=SimpleNamespace(block_size=TOKENS),
+        metadata_builders=[],
     )
 
 
@@ -118,6 +120,41 @@ def test_only_groups_whose_backend_asks_the_runner_are_remapped() -> None:
     tables = SimpleNamespace(num_kv_cache_groups=2)
     configure_block_tables(tables, groups)
     assert tables.kernel_page_slot_groups == found
+
+
+class _RecordingBuilder:
+    def __init__(self) -> None:
+        self.bound: list[KernelPageSlots] = []
+
+    def bind_kernel_page_slots(self, pages: KernelPageSlots) -> None:
+        self.bound.append(pages)
+
+
+def test_builder_groups_learn_the_period_of_their_slot_mapping() -> None:
+    """A ``"builder"`` group sharing a gid with a remapped runner group sees
+    runner kernel-page slots; one alone sees manager-block slots."""
+    shared, alone, unsplit = (
+        _RecordingBuilder(),
+        _RecordingBuilder(),
+        _RecordingBuilder(),
+    )
+    groups = [
+        _group(0, SLOTS_FROM_RUNNER, PAGE),
+        _group(0, SLOTS_FROM_BUILDER, 32, stride=4),
+        _group(1, SLOTS_FROM_BUILDER, 32, stride=4),
+        _group(2, SLOTS_FROM_BUILDER, None),
+    ]
+    groups[1].metadata_builders = [shared, object()]
+    groups[2].metadata_builders = [alone]
+    groups[3].metadata_builders = [unsplit]
+    bind_builder_kernel_pages(groups, kernel_page_slot_groups(groups))
+    assert shared.bound == [KernelPageSlots(PAGE * 8, 32, 4)]
+    assert alone.bound == [KernelPageSlots(TOKENS, 32, 4)]
+    assert unsplit.bound == []
+    # configure_block_tables binds them too.
+    shared.bound.clear()
+    configure_block_tables(SimpleNamespace(num_kv_cache_groups=3), groups)
+    assert shared.bound == [KernelPageSlots(PAGE * 8, 32, 4)]
 
 
 def test_one_group_split_two_ways_is_refused() -> None:

@@ -230,6 +230,97 @@ def test_v2_whole_blocks_keep_manager_slots(v2_kernels_on_cpu, packed):
     assert torch.equal(written, manager * block + positions % block)
 
 
+@pytest.fixture
+def bound_indexer_builder(packed, vllm_config_for, monkeypatch):
+    """A real ``KimiK3IndexerMetadataBuilder`` on the packed fixture's
+    indexer group. Its unbound path (``get_compressed_slot_mapping``) fails
+    the test if taken."""
+    from vllm.models.kimi_k3.common import dsa_cache
+    from vllm.models.kimi_k3.common.dsa_cache import KimiK3IndexerMetadataBuilder
+
+    index_group = packed[3][1]
+    spec = index_group.kv_cache_spec.copy_with_new_block_size(PAGE)
+    builder = KimiK3IndexerMetadataBuilder(
+        spec, index_group.layer_names, vllm_config_for(), torch.device("cpu"),
+        block_table_width=16,
+    )  # fmt: skip
+    index_group.metadata_builders = [builder]
+
+    def unbound(*args, **kwargs):
+        raise AssertionError("a bound builder launched get_compressed_slot_mapping")
+
+    monkeypatch.setattr(dsa_cache, "get_compressed_slot_mapping", unbound)
+    return builder
+
+
+@pytest.mark.parametrize("mla_split", [True, False], ids=["sm10x", "sm90"])
+def test_v2_indexer_slots_are_the_indexer_reader_slots(
+    v2_kernels_on_cpu, packed, bound_indexer_builder, recorded_base_build, mla_split
+):
+    """Once V2 binds the caches, the indexer builder derives its key slots
+    from the group's slot row by arithmetic: the row holds the MLA cache's
+    kernel-page slots where the runner remaps it (SM10x), manager slots
+    where it does not (SM90). Either way each key lands where the indexer's
+    readers find it through its kernel block table."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    block, gid, kv_cache_config, groups, views = packed
+    mla_group, index_group = groups
+    builder = bound_indexer_builder
+    block_tables = _block_tables(kv_cache_config, 128)
+    configure_block_tables(block_tables, groups if mla_split else [index_group])
+    pages = builder.kernel_page_slots
+    assert pages is not None
+    period = PAGE * mla_group.kernel_block_stride if mla_split else block
+    assert (pages.block_size, pages.page_tokens) == (period, PAGE)
+    assert pages.kernel_block_stride == index_group.kernel_block_stride
+    # The indexer's pages are smaller than the MLA cache's in the same row.
+    assert index_group.kernel_block_stride > mla_group.kernel_block_stride
+
+    idx, qsl, positions, req_of_token, tables = _step(
+        block, block_tables, len(kv_cache_config.kv_cache_groups)
+    )
+    n = positions.numel()
+    padded = n + 7  # a CUDA graph's padding: the runner writes -1 there
+    row = block_tables.compute_slot_mappings(idx, qsl, positions, padded)[gid]
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor([block + 60, block + 701], dtype=torch.int32),
+        num_reqs=2,
+        num_actual_tokens=n,
+        max_query_len=100,
+        max_seq_len=block + 701,
+        block_table_tensor=tables[gid],
+        slot_mapping=row,
+    )
+    slots = bound_indexer_builder.build(0, common).slot_mapping
+    read = _reader_slots(index_group, tables[gid], positions, req_of_token)
+    assert torch.equal(slots, read), (slots - read).nonzero()
+    (passed,) = recorded_base_build
+    assert passed.slot_mapping is row
+    # Written in place in the persistent buffer; the padding writes nowhere.
+    buffer = builder.slot_mapping_buffer
+    assert slots.data_ptr() == buffer.data_ptr()
+    assert (buffer[n:] == -1).all()
+    assert int(slots.max()) < views["index"].shape[0] * PAGE
+
+    # A smaller step leaves no stale slot behind its padding.
+    short = CommonAttentionMetadata(
+        query_start_loc=qsl[:2],
+        query_start_loc_cpu=qsl[:2].clone(),
+        seq_lens=common.seq_lens[:1],
+        num_reqs=1,
+        num_actual_tokens=3,
+        max_query_len=3,
+        max_seq_len=block + 60,
+        block_table_tensor=tables[gid][:1],
+        slot_mapping=torch.cat([row[:3], row.new_full((1,), -1)]),
+    )
+    assert torch.equal(builder.build(0, short).slot_mapping, read[:3])
+    assert (buffer[3:] == -1).all()
+
+
 def test_configure_refuses_two_layouts_in_one_group(packed):
     block, gid, kv_cache_config, groups, _ = packed
     mla_group = groups[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -108,6 +108,41 @@ class KernelPageSlots:
         )
 
 
+@runtime_checkable
+class BindsKernelPageSlots(Protocol):
+    """A metadata builder of a ``"builder"`` backend that derives its
+    kernel-page slots from its group's slot mapping once told how."""
+
+    def bind_kernel_page_slots(self, pages: KernelPageSlots) -> None: ...
+
+
+def bind_builder_kernel_pages(
+    attn_groups: Iterable[AttentionGroup],
+    runner_groups: dict[int, KernelPageSlots],
+) -> None:
+    """Tell the builders of split ``"builder"`` caches how their group's slots
+    map to their kernel pages: from the runner's kernel-page slots where it
+    remaps the group (``runner_groups``), else from manager-block slots."""
+    for group in attn_groups:
+        if group.kernel_block_size is None or not group.kernel_block_stride:
+            continue
+        if token_cache_kernel_page_slots(group.backend) != SLOTS_FROM_BUILDER:
+            continue
+        runner = runner_groups.get(group.kv_cache_group_id)
+        # Slots one manager block spans in the group's slot mapping.
+        period = (
+            runner.page_tokens * runner.kernel_block_stride
+            if runner is not None
+            else group.kv_cache_spec.block_size
+        )
+        pages = KernelPageSlots(
+            period, group.kernel_block_size, group.kernel_block_stride
+        )
+        for builder in group.metadata_builders:
+            if isinstance(builder, BindsKernelPageSlots):
+                builder.bind_kernel_page_slots(pages)
+
+
 def kernel_page_slot_groups(
     attn_groups: Iterable[AttentionGroup],
 ) -> dict[int, KernelPageSlots]:
@@ -148,8 +183,9 @@ def remap_slot_mapping_rows(
 def configure_block_tables(
     block_tables: BlockTables, attn_groups: Iterable[AttentionGroup]
 ) -> None:
-    """Model Runner V2: record which groups' slots address kernel pages, once
-    the KV caches are bound."""
+    """Model Runner V2: record which groups' slots address kernel pages, and
+    bind the builders that derive their own, once the KV caches are bound."""
+    attn_groups = list(attn_groups)
     groups = kernel_page_slot_groups(attn_groups)
     for gid in groups:
         if gid >= block_tables.num_kv_cache_groups:
@@ -159,6 +195,7 @@ def configure_block_tables(
                 "tables."
             )
     setattr(block_tables, BLOCK_TABLES_ATTR, groups)
+    bind_builder_kernel_pages(attn_groups, groups)
 
 
 def runner_kernel_page_groups(runner: GPUModelRunner) -> dict[int, KernelPageSlots]:

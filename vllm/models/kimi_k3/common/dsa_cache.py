@@ -60,6 +60,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.worker.kernel_pages import (
     SLOTS_FROM_BUILDER,
     SLOTS_FROM_RUNNER,
+    KernelPageSlots,
 )
 
 if TYPE_CHECKING:
@@ -294,10 +295,13 @@ class KimiK3IndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
     compressed indexers are written: in a packed block row the block table
     addresses 64-token kernel pages, which manager slots do not.
 
-    With ``compress_ratio=1`` ``get_compressed_slot_mapping`` recomputes each
-    token's slot as ``block_table[req, pos // bs] * bs + pos % bs`` over the
-    kernel block table the runner hands a split group, and keeps -1 (do not
-    write) for padded tokens and tokens another DCP rank owns.
+    Once Model Runner V2 binds the split cache
+    (:meth:`bind_kernel_page_slots`), each slot follows from the group's slot
+    by arithmetic on the persistent buffer. Unbound (V1), it is recomputed as
+    ``block_table[req, pos // bs] * bs + pos % bs`` over the kernel block
+    table by ``get_compressed_slot_mapping`` (``compress_ratio=1``). Either
+    way -1 (do not write) stays -1 for padded tokens and tokens another DCP
+    rank owns.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -314,10 +318,42 @@ class KimiK3IndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
             )
         # The K3.1 key format (validated when the builder is made).
         self.indexer_uses_fp4 = kimi_k3_indexer_uses_fp4(self.vllm_config)
-        self.slot_mapping_buffer = torch.zeros(
-            self.vllm_config.scheduler_config.max_num_batched_tokens,
+        self.slot_mapping_buffer = torch.full(
+            (self.vllm_config.scheduler_config.max_num_batched_tokens,),
+            -1,
             dtype=torch.int64,
             device=self.device,
+        )
+        self.kernel_page_slots: KernelPageSlots | None = None
+        # The buffer holds -1 (do not write) from here on.
+        self._written_tokens = 0
+
+    def bind_kernel_page_slots(self, pages: KernelPageSlots) -> None:
+        self.kernel_page_slots = pages
+
+    def _slot_mapping(self, common: CommonAttentionMetadata) -> torch.Tensor:
+        if self.kernel_page_slots is not None:
+            # All of the (padded) step's slots: a replayed graph reads them.
+            slots = common.slot_mapping
+            num_tokens = slots.shape[0]
+            if num_tokens < self._written_tokens:
+                self.slot_mapping_buffer[num_tokens : self._written_tokens].fill_(-1)
+            self._written_tokens = num_tokens
+            paged = self.kernel_page_slots.remap(
+                slots, out=self.slot_mapping_buffer[:num_tokens]
+            )
+            return paged[: common.num_actual_tokens]
+        return get_compressed_slot_mapping(
+            common.num_actual_tokens,
+            common.slot_mapping,
+            common.query_start_loc,
+            common.seq_lens,
+            common.block_table_tensor,
+            self.kv_cache_spec.block_size,
+            compress_ratio=1,
+            out=self.slot_mapping_buffer,
+            dcp_world_size=self.dcp_world_size,
+            cp_interleave=self.cp_kv_cache_interleave_size,
         )
 
     def build(
@@ -326,18 +362,7 @@ class KimiK3IndexerMetadataBuilder(DeepseekV32IndexerMetadataBuilder):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> DeepseekV32IndexerMetadata:
-        slot_mapping = get_compressed_slot_mapping(
-            common_attn_metadata.num_actual_tokens,
-            common_attn_metadata.slot_mapping,
-            common_attn_metadata.query_start_loc,
-            common_attn_metadata.seq_lens,
-            common_attn_metadata.block_table_tensor,
-            self.kv_cache_spec.block_size,
-            compress_ratio=1,
-            out=self.slot_mapping_buffer,
-            dcp_world_size=self.dcp_world_size,
-            cp_interleave=self.cp_kv_cache_interleave_size,
-        )
+        slot_mapping = self._slot_mapping(common_attn_metadata)
         # Without compression the base build only passes the common slot
         # mapping through: set ours on its result rather than pay a dataclass
         # ``replace`` of the common metadata every step.
