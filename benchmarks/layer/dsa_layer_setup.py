@@ -496,6 +496,7 @@ def common_metadata(
 def build_metadata(bench: LayerBench, device: torch.device) -> None:
     """Per-layer metadata from each cache's own backend builder, as the
     runner's ``AttentionGroup`` makes it, and the per-layer slot mappings."""
+    from vllm.v1.worker.kernel_pages import BindsKernelPageSlots, KernelPageSlots
     from vllm.v1.worker.utils import AttentionGroup
 
     common, positions = common_metadata(
@@ -515,6 +516,12 @@ def build_metadata(bench: LayerBench, device: torch.device) -> None:
             kv_cache_group_id=gid,
         )
         group.create_metadata_builders(bench.vllm_config, device)
+        # As Model Runner V2 binds them (here one kernel page a block).
+        for builder in group.metadata_builders:
+            if isinstance(builder, BindsKernelPageSlots):
+                builder.bind_kernel_page_slots(
+                    KernelPageSlots(BLOCK_SIZE, BLOCK_SIZE, 1)
+                )
         bench.groups[name] = group
         bench.attn_metadata[name] = group.build_metadata(common)
         bench.slot_mapping[name] = common.slot_mapping
