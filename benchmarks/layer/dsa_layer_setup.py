@@ -516,7 +516,8 @@ def build_metadata(bench: LayerBench, device: torch.device) -> None:
             kv_cache_group_id=gid,
         )
         group.create_metadata_builders(bench.vllm_config, device)
-        # As Model Runner V2 binds them (here one kernel page a block).
+        # V2 binds split caches; a block here is one kernel page, so identity
+        # pages run the same slot arithmetic a served split cache runs.
         for builder in group.metadata_builders:
             if isinstance(builder, BindsKernelPageSlots):
                 builder.bind_kernel_page_slots(
