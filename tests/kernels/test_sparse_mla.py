@@ -15,6 +15,7 @@ import pytest
 import torch
 from triton_interpreter import run_interpreted
 
+from vllm.models.kimi_k3.nvidia.dsa_ops._triton import HAS_TRITON, tl, triton
 from vllm.models.kimi_k3.nvidia.dsa_ops.formats import fp8_ds_mla_entry
 from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (
     QK_DIM,
@@ -25,6 +26,17 @@ from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (
 )
 
 SCALE = 1 / math.sqrt(192)
+# e4m3fn's NaN codes: the cache writer never stores them.
+NAN_CODES = (0x7F, 0xFF)
+
+if HAS_TRITON:
+    from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import _dequantize_fp16
+
+    @triton.jit
+    def _widen_kernel(codes_ptr, scales_ptr, out_ptr, INLINE_PTX: tl.constexpr):
+        i = tl.arange(0, 256)
+        codes, scales = tl.load(codes_ptr + i), tl.load(scales_ptr + i)
+        tl.store(out_ptr + i, _dequantize_fp16(codes, scales, INLINE_PTX))
 
 
 def packed_cache(
@@ -100,9 +112,10 @@ from test_sparse_mla import packed_cache
 cache, _ = packed_cache(blocks=4, block_size=32, gap=72, seed=3)
 slots = cache.shape[0] * cache.shape[1]
 scale = 1 / math.sqrt(192)
-for trial, (tokens, heads, k, splits, block_n) in enumerate(
-    [(3, 12, 70, 1, 32), (3, 12, 70, 2, 16), (2, 20, 70, 3, 32), (1, 16, 96, 3, 64),
-     (2, 5, 33, None, 16)]
+for trial, (tokens, heads, k, splits, block_n, fp16) in enumerate(
+    [(3, 12, 70, 1, 32, False), (3, 12, 70, 2, 16, False), (2, 20, 70, 3, 32, False),
+     (1, 16, 96, 3, 64, False), (2, 5, 33, None, 16, False), (3, 12, 70, 1, 32, True),
+     (2, 20, 70, 3, 16, True)]
 ):
     g = torch.Generator().manual_seed(trial)
     q = torch.randn(tokens, heads + 3, S.QK_DIM, generator=g).bfloat16()
@@ -116,11 +129,53 @@ for trial, (tokens, heads, k, splits, block_n) in enumerate(
     out = torch.full_like(ref_out, 7.0)
     lse = torch.full_like(ref_lse, 7.0)
     n = splits or S.default_num_splits(tokens, heads, k, programs=8)
-    S._launch(q, cache, idx, scale, n, out, lse, S.SparseMLATiles(block_n))
+    tiles = S.SparseMLATiles(block_n, fp16_latent=fp16)
+    S._launch(q, cache, idx, scale, n, out, lse, tiles)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    if fp16:
+        # q past fp16's range (2**18 times): the kernel scales it by a power of
+        # two, so the scores and the output are those of q itself.
+        big_out, big_lse = torch.empty_like(out), torch.empty_like(lse)
+        S._launch(q * 2**18, cache, idx, scale / 2**18, n, big_out, big_lse, tiles)
+        assert torch.equal(big_out, out) and torch.equal(big_lse, lse)
 print("interpreted kernels match")
 """
+
+
+def widened_codes(device: str, inline_ptx: bool) -> tuple[torch.Tensor, ...]:
+    """Every e4m3 code through the fp16 latent's widening, each times its own
+    fp16 scale: the codes, the scales, and what the widening returned."""
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    g = torch.Generator(device=device).manual_seed(11)
+    scales = (torch.rand(256, generator=g, device=device) * 2e3).half()
+    out = torch.full((256,), 7.0, dtype=torch.float16, device=device)
+    _widen_kernel[(1,)](codes, scales, out, INLINE_PTX=inline_ptx)
+    return codes, scales, out
+
+
+def expected_widening(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The code's value over 2**8 (exact in fp16) times its scale, rounded to
+    fp16 once; NaN codes left NaN."""
+    over_256 = (codes.view(torch.float8_e4m3fn).float() / 256).half()
+    return (over_256.float() * scales.float()).half()
+
+
+WIDENING = """
+import torch
+from test_sparse_mla import NAN_CODES, expected_widening, widened_codes
+
+codes, scales, out = widened_codes("cpu", inline_ptx=False)
+real = torch.ones(256, dtype=torch.bool)
+real[list(NAN_CODES)] = False
+assert torch.equal(out[real], expected_widening(codes, scales)[real])
+assert out[~real].isfinite().all()
+print("every code widened")
+"""
+
+
+def test_fp16_widening_of_every_code_under_the_interpreter() -> None:
+    assert "every code widened" in run_interpreted(WIDENING)
 
 
 def test_triton_kernels_under_the_interpreter() -> None:

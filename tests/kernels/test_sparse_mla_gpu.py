@@ -75,6 +75,20 @@ def test_every_tile_candidate_matches_the_reference(name: str) -> None:
     ref_out, ref_lse = sparse_mla_fp8_reference(q, cache, idx, SCALE)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    if tiles.fp16_latent:
+        # q past fp16's range, scaled back in by a power of two: the same bits.
+        big = sparse_mla_fp8(q * 2**18, cache, idx, SCALE / 2**18, tiles=tiles)
+        assert torch.equal(big[0], out) and torch.equal(big[1], lse)
+
+
+@pytest.mark.parametrize("inline_ptx", [True, False])
+def test_fp16_widening_of_every_code(inline_ptx: bool) -> None:
+    codes, scales, out = cpu_tests.widened_codes("cuda", inline_ptx)
+    real = torch.ones(256, dtype=torch.bool, device="cuda")
+    real[list(cpu_tests.NAN_CODES)] = False
+    expected = cpu_tests.expected_widening(codes, scales)
+    assert torch.equal(out[real], expected[real])
+    assert out[~real].isfinite().all()
 
 
 def test_cuda_graph_replay_equals_eager() -> None:

@@ -39,15 +39,18 @@ def sm90_resources(tiles: S.SparseMLATiles) -> tuple[int, int]:
     kernel = S._sparse_mla_split_kernel
     names = kernel.arg_names
     signature = {n: POINTERS.get(n, "i32") for n in names}
-    signature.update(scale_log2="fp32", SINGLE="constexpr", BLOCK_N="constexpr")
+    flags = {
+        "SINGLE": True,
+        "BLOCK_N": tiles.block_n,
+        "FP16_LATENT": tiles.fp16_latent,
+        "INLINE_PTX": True,
+    }
+    signature.update(scale_log2="fp32", **dict.fromkeys(flags, "constexpr"))
     aligned = [n for n in names if n in POINTERS or n in ALIGNED]
     source = ASTSource(
         fn=kernel,
         signature=signature,
-        constexprs={
-            (names.index("SINGLE"),): True,
-            (names.index("BLOCK_N"),): tiles.block_n,
-        },
+        constexprs={(names.index(flag),): value for flag, value in flags.items()},
         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
     )
     options = {"num_warps": tiles.num_warps}

@@ -33,13 +33,18 @@ _MIN_SPLIT_KEYS = 128
 
 
 class SparseMLATiles(NamedTuple):
-    """The split kernel's launch shape: keys per loop step, warps, and a
-    register cap (``None``: the compiler's choice). Two programs share an SM
-    only at 128 registers or fewer."""
+    """The split kernel's launch shape: keys per loop step, warps, a register
+    cap (``None``: the compiler's choice) and the latent's dtype. Two
+    programs share an SM only at 128 registers or fewer. The bf16 latent
+    takes each fp8 code through three quarter-rate ``cvt``; ``fp16_latent``
+    widens codes with integer ops (exact: an e4m3 code's bits moved into an
+    f16 are the code times 2**-8) and brings ``q`` into fp16's range by a
+    power of two."""
 
     block_n: int = 32
     num_warps: int = 8
     maxnreg: int | None = None
+    fp16_latent: bool = False
 
 
 DEFAULT_TILES = SparseMLATiles()
@@ -50,6 +55,9 @@ TILE_CANDIDATES: dict[str, SparseMLATiles] = {
     "n32w8r128": SparseMLATiles(32, 8, 128),
     "n16w8": SparseMLATiles(16, 8),
     "n64w8r128": SparseMLATiles(64, 8, 128),
+    "n32w8h": SparseMLATiles(32, 8, None, True),
+    "n64w8hr128": SparseMLATiles(64, 8, 128, True),
+    "n16w8h": SparseMLATiles(16, 8, None, True),
 }
 
 
@@ -132,8 +140,9 @@ def sparse_mla_fp8_reference(
     indices: torch.Tensor,
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What :func:`sparse_mla_fp8` computes, in fp32 with the kernel's bf16
-    roundings of the dequantized latent: ``out [T, H, 512]`` bf16 and the
+    """What :func:`sparse_mla_fp8` computes, in fp32 with the dequantized
+    latent rounded to bf16 as the default tiles round it (``fp16_latent``
+    rounds finer): ``out [T, H, 512]`` bf16 and the
     natural-log ``lse [T, H]`` (-inf, and a zero row, where a row selects
     nothing)."""
     _check(q, kv_cache, indices)
@@ -244,6 +253,8 @@ def _launch(
         softmax_scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         SINGLE=single,
         BLOCK_N=block_n,
+        FP16_LATENT=tiles.fp16_latent,
+        INLINE_PTX=q.is_cuda,
         num_warps=tiles.num_warps,
         **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}),
     )
@@ -268,6 +279,28 @@ if HAS_TRITON:
     SCALE_OFFSET = tl.constexpr(DS_MLA_SCALE_OFFSET)
     ROPE_OFFSET = tl.constexpr(DS_MLA_ROPE_OFFSET)
     BLOCK_H = tl.constexpr(_BLOCK_H)
+    # Codes b0..b3 of $2 to f16 pairs (b0, b1) in $0 and (b2, b3) in $1, each
+    # times its scale in $3 and $4: every byte to the high half of a 16-bit lane,
+    # then sign kept and the rest shifted right by one.
+    E4M3X4_TIMES_F16X2X2 = tl.constexpr(
+        """
+{
+.reg .b32 lo, hi, lo_mag, hi_mag;
+prmt.b32 lo, $2, 0, 0x1404;
+prmt.b32 hi, $2, 0, 0x3424;
+and.b32 lo_mag, lo, 0x7F007F00;
+and.b32 hi_mag, hi, 0x7F007F00;
+shr.u32 lo_mag, lo_mag, 1;
+shr.u32 hi_mag, hi_mag, 1;
+and.b32 lo, lo, 0x80008000;
+and.b32 hi, hi, 0x80008000;
+or.b32 lo, lo, lo_mag;
+or.b32 hi, hi, hi_mag;
+mul.rn.f16x2 $0, lo, $3;
+mul.rn.f16x2 $1, hi, $4;
+}
+"""
+    )
 
     @triton.jit
     def _sparse_mla_split_kernel(
@@ -277,7 +310,8 @@ if HAS_TRITON:
         idx_ptr, idx_token_stride,
         out_ptr, lse_ptr,
         num_heads, topk, split_len, scale_log2,
-        SINGLE: tl.constexpr, BLOCK_N: tl.constexpr,
+        SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, FP16_LATENT: tl.constexpr,
+        INLINE_PTX: tl.constexpr,
     ):  # fmt: skip
         token = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -291,6 +325,8 @@ if HAS_TRITON:
         q_row = q_ptr + token * q_token_stride + heads[:, None] * q_head_stride
         q_nope = tl.load(q_row + d[None, :], mask=head_ok[:, None], other=0.0)
         q_rope = tl.load(q_row + NOPE + r[None, :], mask=head_ok[:, None], other=0.0)
+        if FP16_LATENT:
+            q_nope, q_nope_scale = _to_fp16_range(q_nope)
 
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_H], tl.float32)
@@ -319,15 +355,24 @@ if HAS_TRITON:
                 mask=valid3,
                 other=0.0,
             )
-            latent = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scales
-            latent = tl.reshape(latent.to(tl.bfloat16), (BLOCK_N, NOPE))
+            if FP16_LATENT:
+                scales = tl.broadcast_to((scales * 256.0).to(tl.float16), codes.shape)
+                latent = _dequantize_fp16(codes, scales, INLINE_PTX)
+            else:
+                latent = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                latent = (latent * scales).to(tl.bfloat16)
+            latent = tl.reshape(latent, (BLOCK_N, NOPE))
             rope_at = (entry_byte + ROPE_OFFSET) // 2
             rope = tl.load(
                 cache_bf16_ptr + rope_at[:, None] + r[None, :],
                 mask=valid[:, None],
                 other=0.0,
             )
-            s = tl.dot(q_nope, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))
+            if FP16_LATENT:
+                s = tl.dot(q_nope, tl.trans(latent)) * q_nope_scale
+                s = tl.dot(q_rope, tl.trans(rope), s)
+            else:
+                s = tl.dot(q_nope, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))
             s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             # Rows with nothing selected yet keep m = -inf: shift by 0 there.
@@ -335,7 +380,7 @@ if HAS_TRITON:
             p = tl.exp2(s - shift[:, None])
             alpha = tl.exp2(m - shift)
             denom = denom * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), latent)
+            acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent)
             m = m_new
 
         empty = denom == 0.0
@@ -351,6 +396,37 @@ if HAS_TRITON:
             o_row = out_ptr + (part * num_heads + heads[:, None]) * NOPE
             tl.store(o_row + d[None, :], acc, mask=head_ok[:, None])
             tl.store(lse_ptr + part * num_heads + heads, lse2, mask=head_ok)
+
+    @triton.jit
+    def _dequantize_fp16(codes, scales, INLINE_PTX: tl.constexpr):
+        # An e4m3 code's sign moved to bit 15 and its other bits to 7-13 is an
+        # f16 of the code times 2**-8, subnormals included; ``scales`` carry
+        # the 2**8. In PTX four codes take six integer ops and two f16x2
+        # multiplies (the interpreter, which runs no PTX, takes the same
+        # arithmetic element by element).
+        if INLINE_PTX:
+            return tl.inline_asm_elementwise(
+                asm=E4M3X4_TIMES_F16X2X2,
+                constraints="=r,=r,r,r,r",
+                args=[codes, scales],
+                dtype=tl.float16,
+                is_pure=True,
+                pack=4,
+            )
+        bits = codes.to(tl.uint16)
+        bits = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
+        return bits.to(tl.float16, bitcast=True) * scales
+
+    @triton.jit
+    def _to_fp16_range(x):
+        # x / 2**k in fp16, k >= 0 the least that keeps |x| below 2**15, and
+        # 2**k: powers of two built from their exponent bits, so exact.
+        amax = tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0)
+        exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        k = tl.maximum(exponent - 14, 0)
+        down = ((127 - k) << 23).to(tl.float32, bitcast=True)
+        up = ((127 + k) << 23).to(tl.float32, bitcast=True)
+        return (x.to(tl.float32) * down).to(tl.float16), up
 
     @triton.jit
     def _sparse_mla_combine_kernel(
