@@ -16,7 +16,10 @@ import torch
 from triton_interpreter import run_interpreted
 
 from vllm.models.kimi_k3.nvidia.dsa_ops._triton import HAS_TRITON, tl, triton
-from vllm.models.kimi_k3.nvidia.dsa_ops.formats import fp8_ds_mla_entry
+from vllm.models.kimi_k3.nvidia.dsa_ops.formats import (
+    fp8_ds_mla_entry,
+    fp8_e4m3_decode,
+)
 from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (
     QK_DIM,
     SparseMLATiles,
@@ -157,7 +160,7 @@ def widened_codes(device: str, inline_ptx: bool) -> tuple[torch.Tensor, ...]:
 def expected_widening(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The code's value over 2**8 (exact in fp16) times its scale, rounded to
     fp16 once; NaN codes left NaN."""
-    over_256 = (codes.view(torch.float8_e4m3fn).float() / 256).half()
+    over_256 = (fp8_e4m3_decode(codes) / 256).half()
     return (over_256.float() * scales.float()).half()
 
 
