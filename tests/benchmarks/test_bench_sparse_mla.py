@@ -34,28 +34,3 @@ def test_heads_past_the_padding_are_refused(
     with pytest.raises(SystemExit):
         B.main(["--heads", "12", heads])
     assert f"--heads [{heads}]" in capsys.readouterr().err
-
-
-def test_the_stage_probe_forces_num_stages_and_restores_the_kernel() -> None:
-    """The probe's launches carry its ``num_stages``, and the split kernel
-    is the shipped one again after the probe."""
-    import probe_sparse_mla_stages as P
-
-    from vllm.models.kimi_k3.nvidia.dsa_ops import sparse_mla
-
-    shipped = sparse_mla._sparse_mla_split_kernel
-    launches = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
-
-    sparse_mla._sparse_mla_split_kernel = Kernel()
-    try:
-        with P.forced_stages(5):
-            sparse_mla._sparse_mla_split_kernel[(2, 1)](7, num_warps=8)
-        assert launches == [((2, 1), (7,), {"num_stages": 5, "num_warps": 8})]
-        assert isinstance(sparse_mla._sparse_mla_split_kernel, Kernel)
-    finally:
-        sparse_mla._sparse_mla_split_kernel = shipped
-    assert set(P.SHAPES) <= set(sparse_mla.TILE_CANDIDATES)
