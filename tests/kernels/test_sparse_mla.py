@@ -101,7 +101,14 @@ def test_bad_inputs() -> None:
         sparse_mla_fp8(q, cache, idx[:1], SCALE)
     with pytest.raises(ValueError, match=r"indices must be int32 \[2, k > 0\]"):
         sparse_mla_fp8(q, cache, idx[:, :0], SCALE)
-    for tiles in (SparseMLATiles(24), SparseMLATiles(32, 6), SparseMLATiles(32, 8, 32)):
+    bad_tiles = (
+        SparseMLATiles(24),
+        SparseMLATiles(32, 6),
+        SparseMLATiles(32, 8, 32),
+        SparseMLATiles(num_stages=0),
+        SparseMLATiles(num_stages=7),
+    )
+    for tiles in bad_tiles:
         with pytest.raises(ValueError, match=r"block_n takes 16, 32 or 64, num_warps"):
             sparse_mla_fp8(q, cache, idx, SCALE, tiles=tiles)
 

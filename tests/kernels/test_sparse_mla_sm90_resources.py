@@ -2,7 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``sparse_mla_fp8``'s launch shapes compiled for sm_90 on the CPU (Triton's
 bundled ptxas): none spills, and the candidates that claim two programs an
-SM fit in 128 registers. Timing them needs the GPU (``sparse-mla-bench``)."""
+SM fit in 128 registers and half an SM's shared memory. Timing them needs
+the GPU (``sparse-mla-bench``)."""
 
 from __future__ import annotations
 
@@ -27,12 +28,15 @@ POINTERS = {
     "out_ptr": "*bf16",
     "lse_ptr": "*fp32",
 }
+# sm_90's shared memory an SM, in bytes (228 KB, 1 KB of it per block reserved).
+SM90_SHARED_PER_SM = 233472
 # Integers the launcher passes 16-divisible in the suite's shapes.
 ALIGNED = {"q_token_stride", "q_head_stride", "cache_block_stride", "block_size"}
 
 
-def sm90_resources(tiles: S.SparseMLATiles) -> tuple[int, int]:
-    """Registers a thread and local (spill) bytes of the split kernel."""
+def sm90_resources(tiles: S.SparseMLATiles) -> tuple[int, int, int]:
+    """Registers a thread, local (spill) bytes and shared memory bytes of the
+    split kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -54,10 +58,12 @@ def sm90_resources(tiles: S.SparseMLATiles) -> tuple[int, int]:
         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
     )
     options = {"num_warps": tiles.num_warps}
+    if tiles.num_stages is not None:
+        options["num_stages"] = tiles.num_stages
     if tiles.maxnreg is not None:
         options["maxnreg"] = tiles.maxnreg
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    return _usage(compiled.asm["cubin"])
+    return *_usage(compiled.asm["cubin"]), compiled.metadata.shared
 
 
 def _usage(cubin: bytes) -> tuple[int, int]:
@@ -81,7 +87,10 @@ def _usage(cubin: bytes) -> tuple[int, int]:
 @pytest.mark.parametrize("name", sorted(S.TILE_CANDIDATES))
 def test_launch_shape_compiles_without_spills(name: str) -> None:
     tiles = S.TILE_CANDIDATES[name]
-    regs, local = sm90_resources(tiles)
+    regs, local, shared = sm90_resources(tiles)
     assert local == 0, f"{name} spills {local} bytes"
     if tiles != S.DEFAULT_TILES:
         assert regs <= 128, f"{name} takes {regs} registers: one program an SM"
+        assert 2 * (shared + 1024) <= SM90_SHARED_PER_SM, (
+            f"{name} takes {shared} bytes of shared memory: one program an SM"
+        )

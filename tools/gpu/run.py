@@ -208,14 +208,6 @@ SUITES: dict[str, Suite] = {
         "sparse decode padded to 64 heads (graph replay, decode batches and "
         "prefill chunks, top-k 2048 over 128K)",
     ),
-    "sparse-mla-stages": Suite(
-        "python3 benchmarks/kernels/probe_sparse_mla_stages.py "
-        "--json $LOGS/sparse_mla_stages.json",
-        VLLM_ENV,
-        420,
-        "sparse_mla_fp8 at 12 heads with Triton's num_stages forced to 1, 2, 3 "
-        "and 5 for four launch shapes, against FlashMLA padded to 64 heads",
-    ),
     "topk-bench": Suite(
         "python3 benchmarks/kernels/bench_canonical_topk.py "
         "--json $LOGS/canonical_topk.json",

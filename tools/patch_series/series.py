@@ -224,9 +224,9 @@ FEATURES: tuple[Feature, ...] = (
 # travel with the tests that use them (upstream_tool_path).
 TOOLS = Group(("kimi_k3_dsa_tools/**",))
 KERNEL_SOURCES = Group(("csrc/**",))
-# Dated run records (logs, raw JSON) and one-off probes stay in this
-# repository; vLLM's tree takes the benchmark scripts only.
-NOT_UPSTREAM = ("benchmarks/results/**", "benchmarks/kernels/probe_*.py")
+# Dated run records (logs, raw JSON) stay in this repository; vLLM's tree
+# takes the benchmark scripts only.
+NOT_UPSTREAM = ("benchmarks/results/**",)
 # Tests of this repository's own tooling (the series generator, the GPU
 # runner, the prose rule): they stay here, and run in both modes.
 NOT_UPSTREAM_TESTS = ("tests/tools/**", "tests/style/**")

@@ -34,7 +34,8 @@ _MIN_SPLIT_KEYS = 128
 
 class SparseMLATiles(NamedTuple):
     """The split kernel's launch shape: keys per loop step, warps, a register
-    cap (``None``: the compiler's choice) and the latent's dtype. Two
+    cap (``None``: the compiler's choice), the latent's dtype and the depth
+    of Triton's software pipeline (``None``: its default). Two
     programs share an SM only at 128 registers or fewer. The bf16 latent
     takes each fp8 code through three quarter-rate ``cvt``; ``fp16_latent``
     widens codes with integer ops (exact: an e4m3 code's bits moved into an
@@ -45,6 +46,7 @@ class SparseMLATiles(NamedTuple):
     num_warps: int = 8
     maxnreg: int | None = None
     fp16_latent: bool = False
+    num_stages: int | None = None
 
 
 DEFAULT_TILES = SparseMLATiles()
@@ -58,6 +60,9 @@ TILE_CANDIDATES: dict[str, SparseMLATiles] = {
     "n32w8h": SparseMLATiles(32, 8, None, True),
     "n64w8hr128": SparseMLATiles(64, 8, 128, True),
     "n16w8h": SparseMLATiles(16, 8, None, True),
+    # Five stages keep the next steps' gathers in flight (two programs an SM).
+    "n32w8s5": SparseMLATiles(32, 8, num_stages=5),
+    "n64w8r128s5": SparseMLATiles(64, 8, 128, num_stages=5),
 }
 
 
@@ -66,10 +71,12 @@ def _check_tiles(tiles: SparseMLATiles) -> None:
         tiles.block_n not in (16, 32, 64)
         or tiles.num_warps not in (4, 8, 16)
         or not (tiles.maxnreg is None or 64 <= tiles.maxnreg <= 255)
+        or not (tiles.num_stages is None or 1 <= tiles.num_stages <= 6)
     ):
         raise ValueError(
             f"sparse_mla_fp8: tiles {tiles} out of range: block_n takes 16, 32 "
-            "or 64, num_warps 4, 8 or 16, maxnreg None or 64 to 255"
+            "or 64, num_warps 4, 8 or 16, maxnreg None or 64 to 255, "
+            "num_stages None or 1 to 6"
         )
 
 
@@ -257,6 +264,7 @@ def _launch(
         INLINE_PTX=q.is_cuda,
         num_warps=tiles.num_warps,
         **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}),
+        **({} if tiles.num_stages is None else {"num_stages": tiles.num_stages}),
     )
     if not single:
         _sparse_mla_combine_kernel[(tokens, heads)](
@@ -314,9 +322,9 @@ mul.rn.f16x2 $1, hi, $4;
         INLINE_PTX: tl.constexpr,
     ):  # fmt: skip
         token = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
         split = tl.program_id(1)
         num_splits = tl.num_programs(1)
-        heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
         head_ok = heads < num_heads
         d = tl.arange(0, NOPE)
         r = tl.arange(0, ROPE)
