@@ -28,6 +28,9 @@ POINTERS = {
     "out_ptr": "*bf16",
     "lse_ptr": "*fp32",
 }
+# The shapes measured as they are with one program an SM; the default is not
+# among them, as default_num_splits plans for two.
+ONE_PROGRAM_AN_SM = {"n32w8"}
 # sm_90's shared memory an SM, in bytes (228 KB, 1 KB of it per block reserved).
 SM90_SHARED_PER_SM = 233472
 # Integers the launcher passes 16-divisible in the suite's shapes.
@@ -89,7 +92,7 @@ def test_launch_shape_compiles_without_spills(name: str) -> None:
     tiles = S.TILE_CANDIDATES[name]
     regs, local, shared = sm90_resources(tiles)
     assert local == 0, f"{name} spills {local} bytes"
-    if tiles != S.DEFAULT_TILES:
+    if name not in ONE_PROGRAM_AN_SM:
         assert regs <= 128, f"{name} takes {regs} registers: one program an SM"
         assert 2 * (shared + 1024) <= SM90_SHARED_PER_SM, (
             f"{name} takes {shared} bytes of shared memory: one program an SM"
