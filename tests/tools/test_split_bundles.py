@@ -93,3 +93,21 @@ def test_missing_bundle_is_named(tree: Path) -> None:
     assert result.returncode == 1
     assert "offline-vllm/*/part.*: run its bundle script first" in result.stderr
     assert not (tree / ".device" / "r3").exists()
+
+
+def test_prepare_sitting_refuses_a_missing_bundle_folder(tmp_path: Path) -> None:
+    """The preparation names the folder it needs before it installs or
+    writes anything."""
+    prepare = SCRIPT.with_name("prepare_sitting.sh")
+    (tmp_path / "tools" / "gpu").mkdir(parents=True)
+    shutil.copy(prepare, tmp_path / "tools" / "gpu" / prepare.name)
+    env = {**os.environ, "OFFLINE_VLLM_TOOLS": str(tmp_path / "nowhere")}
+    run = subprocess.run(
+        ["bash", str(tmp_path / "tools" / "gpu" / prepare.name)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert run.returncode == 2
+    assert "set OFFLINE_VLLM_TOOLS" in run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tools"]
