@@ -28,8 +28,8 @@ POINTERS = {
     "out_ptr": "*bf16",
     "lse_ptr": "*fp32",
 }
-# The shapes measured as they are with one program an SM; the default is not
-# among them, as default_num_splits plans for two.
+# Shapes kept at one program an SM for comparison; never the default, since
+# default_num_splits plans for two.
 ONE_PROGRAM_AN_SM = {"n32w8"}
 # sm_90's shared memory an SM, in bytes (228 KB, 1 KB of it per block reserved).
 SM90_SHARED_PER_SM = 233472
@@ -60,12 +60,9 @@ def sm90_resources(tiles: S.SparseMLATiles) -> tuple[int, int, int]:
         constexprs={(names.index(flag),): value for flag, value in flags.items()},
         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
     )
-    options = {"num_warps": tiles.num_warps}
-    if tiles.num_stages is not None:
-        options["num_stages"] = tiles.num_stages
-    if tiles.maxnreg is not None:
-        options["maxnreg"] = tiles.maxnreg
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options=tiles.compile_options()
+    )
     return *_usage(compiled.asm["cubin"]), compiled.metadata.shared
 
 

@@ -48,6 +48,15 @@ class SparseMLATiles(NamedTuple):
     fp16_latent: bool = False
     num_stages: int | None = None
 
+    def compile_options(self) -> dict[str, int]:
+        """Triton's launch options for this shape (unset ones left out)."""
+        options = {"num_warps": self.num_warps}
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        if self.num_stages is not None:
+            options["num_stages"] = self.num_stages
+        return options
+
 
 DEFAULT_TILES = SparseMLATiles()
 # The launch shapes the benchmark compares: at sm_90 all but n32w8 run two
@@ -262,9 +271,7 @@ def _launch(
         BLOCK_N=block_n,
         FP16_LATENT=tiles.fp16_latent,
         INLINE_PTX=q.is_cuda,
-        num_warps=tiles.num_warps,
-        **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}),
-        **({} if tiles.num_stages is None else {"num_stages": tiles.num_stages}),
+        **tiles.compile_options(),
     )
     if not single:
         _sparse_mla_combine_kernel[(tokens, heads)](
