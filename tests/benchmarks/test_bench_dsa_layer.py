@@ -313,13 +313,19 @@ def test_metadata_build_time_covers_every_cache_group(
 
         monkeypatch.setattr(group, "build_metadata", counted)
     reps = 3
-    us, by_cache = B.metadata_build_us(bench, reps)
+    us, by_cache = B.metadata_build_us(bench, reps, warm_s=0.0)
     assert set(by_cache) == set(bench.groups)
     assert all(t > 0 for t in by_cache.values())
     # Each repeat's sum is at least each of its parts, so the medians are too.
     assert us >= max(by_cache.values())
     # One warm-up build and ``reps`` timed builds of every group.
     assert len(built) == (reps + 1) * len(bench.groups)
+    # A warm-up of some time builds every group alike, more than once.
+    built.clear()
+    B.metadata_build_us(bench, reps, warm_s=0.05)
+    counts = {name: sum(n == name for n, _ in built) for name in bench.groups}
+    assert len(set(counts.values())) == 1
+    assert next(iter(counts.values())) > reps + 1
     assert {name for name, _ in built} == set(bench.groups)
     assert all(common is bench.common for _, common in built)
     bench.groups.clear()
