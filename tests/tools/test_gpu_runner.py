@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -144,6 +145,48 @@ def test_the_named_suites_exist():
     assert {"e2e", "kernels", "timing", "fidelity", "layer-small"} <= set(run.SUITES)
     for suite in run.SUITES.values():
         assert "$LOGS" in suite.command
+
+
+def _import_runner():
+    sys.path.insert(0, str(RUNNER.parent))
+    try:
+        import run
+    finally:
+        sys.path.remove(str(RUNNER.parent))
+    return run
+
+
+def test_proof_stands_for_the_correctness_groups():
+    run = _import_runner()
+    assert run.expand_groups(["proof", "a,b"]) == [*run.PROOF_GROUPS, ["a", "b"]]
+    assert run.expand_groups(["a", "proof"])[0] == ["a"]
+    assert {s for g in run.PROOF_GROUPS for s in g} <= set(run.SUITES)
+
+
+def test_every_gpu_test_file_runs_in_a_proof_suite():
+    """A GPU test added outside tests/kernels and tests/e2e (which the kernel
+    and e2e suites run whole) must be named by a suite of ``proof``, or no
+    sitting's proof would run it."""
+    run = _import_runner()
+    commands = " ".join(
+        run.SUITES[name].command for group in run.PROOF_GROUPS for name in group
+    )
+    assert "tests/kernels/dsa_gpu_run.sh" in commands
+    assert "tests/e2e/e2e_gpu_run.sh" in commands
+    tests = RUNNER.parents[2] / "tests"
+    marked = [
+        path.relative_to(RUNNER.parents[2]).as_posix()
+        for path in tests.rglob("test_*.py")
+        if re.search(r"pytest\.mark\.gpu\b", path.read_text())
+    ]
+    assert marked
+    loose = [
+        path
+        for path in marked
+        if not path.startswith(("tests/kernels/", "tests/e2e/"))
+        and path not in commands
+    ]
+    assert not loose, f"GPU tests no proof suite runs: {loose}"
 
 
 def test_the_cute_dsl_suites_find_its_cutlass_before_vllms():

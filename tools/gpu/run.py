@@ -20,6 +20,8 @@ the whole sitting, staging included):
         the suites of a group run at the same time, the groups one after the
         other. Progress and logs go to ``build/gpu/`` (git-ignored, kept by
         the host between commands).
+    python3 tools/gpu/run.py start proof --then sparse-mla-bench
+        ``proof`` stands for the correctness suites' groups (``PROOF_GROUPS``).
     python3 tools/gpu/run.py poll --wait 540
         waits up to that long (or until every suite has ended), prints the
         progress, and packs everything so far into ``$OUT/gpu-results.tar.gz``.
@@ -412,6 +414,20 @@ SUITES: dict[str, Suite] = {
     ),
 }
 
+# Every suite that checks correctness, in the order that fits one sitting:
+# ``start proof`` runs them, and they all pass after the last edit of the
+# shipped code before an issue that needs the GPU is closed.
+PROOF = "proof"
+PROOF_GROUPS: list[list[str]] = [
+    ["e2e", "kernels", "in-tree-build"],
+    ["smoke"],
+    ["e2e-in-tree"],
+    ["smoke-in-tree"],
+    ["kernels-in-tree"],
+    ["indexer-share"],
+    ["fidelity"],
+]
+
 
 def _now() -> float:
     return round(time.time(), 1)
@@ -602,9 +618,17 @@ def _parse_extra(specs: list[str]) -> dict[str, Suite]:
     return extra
 
 
+def expand_groups(specs: list[str]) -> list[list[str]]:
+    """Comma-separated groups, ``proof`` standing for ``PROOF_GROUPS``."""
+    groups: list[list[str]] = []
+    for spec in specs:
+        groups += PROOF_GROUPS if spec == PROOF else [spec.split(",")]
+    return groups
+
+
 def start(args: argparse.Namespace) -> int:
     suites = {**SUITES, **_parse_extra(args.command)}
-    groups = [g.split(",") for g in [args.suites, *args.then]]
+    groups = expand_groups([args.suites, *args.then])
     unknown = [s for g in groups for s in g if s not in suites]
     if unknown:
         print(f"unknown suites {unknown}; known: {sorted(suites)}", file=sys.stderr)
@@ -806,7 +830,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.set_defaults(fn=install_in_tree)
     p = sub.add_parser("start")
-    p.add_argument("suites", help=f"comma-separated, of {sorted(SUITES)}")
+    p.add_argument(
+        "suites",
+        help=f"comma-separated, of {sorted(SUITES)}; {PROOF!r} for "
+        f"{PROOF_GROUPS}, as groups",
+    )
     p.add_argument("--then", action="append", default=[], help="a later group")
     p.add_argument(
         "--command",
