@@ -137,27 +137,14 @@ def test_bad_starts_are_refused(tmp_path, args, message):
 
 
 def test_the_named_suites_exist():
-    sys.path.insert(0, str(RUNNER.parent))
-    try:
-        import run
-    finally:
-        sys.path.remove(str(RUNNER.parent))
+    run = _run_module()
     assert {"e2e", "kernels", "timing", "fidelity", "layer-small"} <= set(run.SUITES)
     for suite in run.SUITES.values():
         assert "$LOGS" in suite.command
 
 
-def _import_runner():
-    sys.path.insert(0, str(RUNNER.parent))
-    try:
-        import run
-    finally:
-        sys.path.remove(str(RUNNER.parent))
-    return run
-
-
 def test_proof_stands_for_the_correctness_groups():
-    run = _import_runner()
+    run = _run_module()
     assert run.expand_groups(["proof", "a,b"]) == [*run.PROOF_GROUPS, ["a", "b"]]
     assert run.expand_groups(["a", "proof"])[0] == ["a"]
     assert {s for g in run.PROOF_GROUPS for s in g} <= set(run.SUITES)
@@ -167,7 +154,7 @@ def test_every_gpu_test_file_runs_in_a_proof_suite():
     """A GPU test added outside tests/kernels and tests/e2e (which the kernel
     and e2e suites run whole) must be named by a suite of ``proof``, or no
     sitting's proof would run it."""
-    run = _import_runner()
+    run = _run_module()
     commands = " ".join(
         run.SUITES[name].command for group in run.PROOF_GROUPS for name in group
     )
