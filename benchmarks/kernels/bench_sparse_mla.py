@@ -7,7 +7,8 @@ at the real head count, under graph replay.
 Per point: ``tokens`` query rows (a decode batch, or a prefill chunk run as
 the mixed batch runs it: one query a row), top-k 2048 random slots of a
 128K-token ``fp8_ds_mla`` cache in 64-token blocks, some -1. Reports each
-kernel's time (ours at every launch shape of ``TILE_CANDIDATES``), ours as a
+kernel's time (ours at every launch shape of ``TILE_CANDIDATES`` and of
+``PROBES``), ours as a
 fraction of the padded one's, and the bytes the selected entries take as a
 fraction of the copy bandwidth. Needs vLLM installed (its FlashMLA).
 
@@ -32,6 +33,16 @@ CONTEXT = 131072
 BLOCK = 64
 PADDED_HEADS = 64
 SCALE = 1 / math.sqrt(192)
+# Four-warp launch shapes timed beside the kernel's candidates (not among
+# them yet): ``(block_n, num_warps, maxnreg, num_stages)`` and the programs an
+# SM that their sm_90 registers and shared memory allow, which the split count
+# here plans for (tests/kernels/test_sparse_mla_sm90_resources.py checks both).
+PROBES: dict[str, tuple[tuple[int, int, int | None, int | None], int]] = {
+    "n64w4r128": ((64, 4, 128, None), 3),
+    "n64w4r168": ((64, 4, 168, None), 3),
+    "n32w4r128": ((32, 4, 128, None), 4),
+    "n32w4r128s5": ((32, 4, 128, 5), 3),
+}
 POINTS = [
     ("decode", 1),
     ("decode", 8),
@@ -84,6 +95,8 @@ def measure(mode: str, tokens: int, heads: int, reps: int, bandwidth: float) -> 
     from vllm.models.kimi_k3.nvidia.dsa_ops.sparse_mla import (
         DEFAULT_TILES,
         TILE_CANDIDATES,
+        SparseMLATiles,
+        default_num_splits,
         sparse_mla_fp8,
     )
 
@@ -101,6 +114,18 @@ def measure(mode: str, tokens: int, heads: int, reps: int, bandwidth: float) -> 
         )
         for name, tiles in TILE_CANDIDATES.items()
     }
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    probe_us = {}
+    for name, (fields, per_sm) in PROBES.items():
+        splits = default_num_splits(tokens, heads, TOPK, per_sm * sms)
+        tiles = SparseMLATiles(*fields)
+        probe_us[name] = time_graph(
+            lambda _, t=tiles, n=splits: sparse_mla_fp8(
+                q, cache, indices, SCALE, num_splits=n, tiles=t
+            ),
+            calls,
+            reps,
+        )
     default = next(n for n, t in TILE_CANDIDATES.items() if t == DEFAULT_TILES)
     ours_us = tiles_us[default]
     padded_us = time_graph(flashmla_padded(q, cache, indices), calls, reps)
@@ -115,6 +140,7 @@ def measure(mode: str, tokens: int, heads: int, reps: int, bandwidth: float) -> 
         "ours_over_padded": ours_us / padded_us,
         "ours_copy_fraction": nbytes / (ours_us * 1e-6) / bandwidth,
         "tiles_us": tiles_us,
+        "probe_us": probe_us,
     }
 
 
@@ -140,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['flashmla_padded_us']:>9.1f} {row['ours_over_padded']:>6.2f} "
                   f"{row['ours_copy_fraction']:>7.2f}  " + " ".join(
                       f"{name} {us / row['flashmla_padded_us']:.2f}"
-                      for name, us in row["tiles_us"].items()), flush=True)  # fmt: skip
+                      for name, us in {**row["tiles_us"], **row["probe_us"]}.items()),
+                  flush=True)  # fmt: skip
     if args.json is not None:
         args.json.write_text(
             json.dumps({"copy_bandwidth": bandwidth, "points": rows}, indent=1)

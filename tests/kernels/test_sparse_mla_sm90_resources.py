@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,6 +18,14 @@ import pytest
 triton = pytest.importorskip("triton")
 
 from vllm.models.kimi_k3.nvidia.dsa_ops import sparse_mla as S  # noqa: E402
+
+_BENCH = next(
+    p / "benchmarks" / "kernels"
+    for p in Path(__file__).resolve().parents
+    if (p / "benchmarks" / "kernels" / "bench_sparse_mla.py").is_file()
+)
+sys.path.insert(0, str(_BENCH))
+import bench_sparse_mla as bench  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 POINTERS = {
@@ -94,3 +103,18 @@ def test_launch_shape_compiles_without_spills(name: str) -> None:
         assert 2 * (shared + 1024) <= SM90_SHARED_PER_SM, (
             f"{name} takes {shared} bytes of shared memory: one program an SM"
         )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="Triton's cuobjdump is missing")
+@pytest.mark.parametrize("name", sorted(bench.PROBES))
+def test_benchmark_probe_fits_its_programs_an_sm(name: str) -> None:
+    """The benchmark's four-warp probes plan their splits for this many
+    programs an SM: their registers and shared memory must allow it."""
+    fields, per_sm = bench.PROBES[name]
+    tiles = S.SparseMLATiles(*fields)
+    S._check_tiles(tiles)
+    regs, local, shared = sm90_resources(tiles)
+    assert local == 0, f"{name} spills {local} bytes"
+    assert per_sm * tiles.num_warps * 32 * regs <= 65536, (name, regs)
+    assert per_sm * (shared + 1024) <= SM90_SHARED_PER_SM, (name, shared)
