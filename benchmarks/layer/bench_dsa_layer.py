@@ -215,8 +215,8 @@ def profile_step(
 
 def _warm_builders(bench: S.LayerBench, warm_s: float) -> None:
     """Builds every cache group's metadata once, then again until ``warm_s``
-    seconds have passed: a host fresh from GPU work times its first
-    builds up to twice as slow (the run's first point showed it)."""
+    seconds have passed: a host fresh from GPU work runs its first builds
+    slower, which would charge the first point measured."""
     start = time.perf_counter()
     while True:
         for group in bench.groups.values():

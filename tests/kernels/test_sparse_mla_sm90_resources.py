@@ -42,6 +42,7 @@ POINTERS = {
 ONE_PROGRAM_AN_SM = {"n32w8"}
 # sm_90's shared memory an SM, in bytes (228 KB, 1 KB of it per block reserved).
 SM90_SHARED_PER_SM = 233472
+SM90_REGISTERS_PER_SM = 65536
 # Integers the launcher passes 16-divisible in the suite's shapes.
 ALIGNED = {"q_token_stride", "q_head_stride", "cache_block_stride", "block_size"}
 
@@ -116,5 +117,5 @@ def test_benchmark_probe_fits_its_programs_an_sm(name: str) -> None:
     S._check_tiles(tiles)
     regs, local, shared = sm90_resources(tiles)
     assert local == 0, f"{name} spills {local} bytes"
-    assert per_sm * tiles.num_warps * 32 * regs <= 65536, (name, regs)
+    assert per_sm * tiles.num_warps * 32 * regs <= SM90_REGISTERS_PER_SM, (name, regs)
     assert per_sm * (shared + 1024) <= SM90_SHARED_PER_SM, (name, shared)
