@@ -106,26 +106,25 @@ def measure(mode: str, tokens: int, heads: int, reps: int, bandwidth: float) -> 
         calls = 1
     else:
         calls = 20
-    tiles_us = {
-        name: time_graph(
-            lambda _, t=tiles: sparse_mla_fp8(q, cache, indices, SCALE, tiles=t),
-            calls,
-            reps,
-        )
-        for name, tiles in TILE_CANDIDATES.items()
-    }
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    probe_us = {}
-    for name, (fields, per_sm) in PROBES.items():
-        splits = default_num_splits(tokens, heads, TOPK, per_sm * sms)
-        tiles = SparseMLATiles(*fields)
-        probe_us[name] = time_graph(
-            lambda _, t=tiles, n=splits: sparse_mla_fp8(
-                q, cache, indices, SCALE, num_splits=n, tiles=t
+
+    def time_ours(tiles: SparseMLATiles, num_splits: int | None = None) -> float:
+        return time_graph(
+            lambda _: sparse_mla_fp8(
+                q, cache, indices, SCALE, num_splits=num_splits, tiles=tiles
             ),
             calls,
             reps,
         )
+
+    tiles_us = {name: time_ours(tiles) for name, tiles in TILE_CANDIDATES.items()}
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    probe_us = {
+        name: time_ours(
+            SparseMLATiles(*fields),
+            default_num_splits(tokens, heads, TOPK, per_sm * sms),
+        )
+        for name, (fields, per_sm) in PROBES.items()
+    }
     default = next(n for n, t in TILE_CANDIDATES.items() if t == DEFAULT_TILES)
     ours_us = tiles_us[default]
     padded_us = time_graph(flashmla_padded(q, cache, indices), calls, reps)

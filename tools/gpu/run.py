@@ -622,7 +622,9 @@ def expand_groups(specs: list[str]) -> list[list[str]]:
     """Comma-separated groups, ``proof`` standing for ``PROOF_GROUPS``."""
     groups: list[list[str]] = []
     for spec in specs:
-        groups += PROOF_GROUPS if spec == PROOF else [spec.split(",")]
+        groups += (
+            [list(g) for g in PROOF_GROUPS] if spec == PROOF else [spec.split(",")]
+        )
     return groups
 
 
