@@ -79,6 +79,35 @@ def test_pieces_fit_and_join_back(tree: Path) -> None:
     }
 
 
+def git_tree(tree: Path, tracked_mib: int) -> None:
+    """Make the fake root a git checkout whose tree takes tracked_mib MiB,
+    the bundles ignored as in the project."""
+    (tree / ".gitignore").write_text(".device/\n")
+    with open(tree / "results.bin", "wb") as f:
+        f.truncate(tracked_mib * MIB)
+    for args in (["init", "-q"], ["add", "-A"]):
+        subprocess.run(["git", "-C", str(tree), *args], check=True)
+
+
+def test_default_limit_leaves_room_for_the_tree(tree: Path) -> None:
+    git_tree(tree, 50)
+    result = run(tree)
+    assert result.returncode == 0, result.stderr
+    # 64 MiB less the tree (50 MiB and the script, rounded up) less 3.
+    assert "chunks of at most 10 MiB (the tree: 50 MiB" in result.stdout
+    for folder in (tree / ".device" / "r3").iterdir():
+        size = sum(p.stat().st_size for p in folder.iterdir())
+        assert size <= 10 * MIB, folder.name
+
+
+def test_default_limit_refuses_a_tree_that_leaves_no_room(tree: Path) -> None:
+    git_tree(tree, 54)
+    result = run(tree)
+    assert result.returncode == 2
+    assert "the tree takes 54 MiB of a call's 64" in result.stderr
+    assert not (tree / ".device" / "r3").exists()
+
+
 @pytest.mark.parametrize("limit", ["7", "61", "4x", "-1"])
 def test_bad_limits_are_refused(tree: Path, limit: str) -> None:
     result = run(tree, limit)

@@ -5,7 +5,8 @@
 #
 # A .venv with vLLM 0.33.0 (what bundle.sh reads; the overlay is not needed),
 # the v0.33.0 sdist, the vLLM and CuTe DSL bundles cut into call-sized folders
-# (.device/r3/c1, c2, v1..v4) and the in-tree kit (build/patch_series/gpu_kit).
+# (.device/r3/c1, c2, ..., v1, v2, ...) and the in-tree kit
+# (build/patch_series/gpu_kit).
 # docs/gpu_runbook.md ("Staging in smaller chunks") says what each call does.
 # OFFLINE_VLLM_TOOLS names the folder of bundle.sh (default: the shared tools
 # beside this checkout).

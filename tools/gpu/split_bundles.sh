@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Re-cut the staging bundles into pieces that fit one device call beside the tree.
 #
-#   bash tools/gpu/split_bundles.sh [MAX_MIB]     (default 48)
+#   bash tools/gpu/split_bundles.sh [MAX_MIB]
 #
-# A device call carries the tracked tree plus its carry paths, 64 MiB in all; the
-# bundles' own chunks are 58 MiB. From .device/cutedsl/*/part.* (+ the wheels in
+# A device call carries the tree (tracked files and untracked ones git does not
+# ignore) plus its carry paths, 64 MiB in all; the bundles' own chunks are 58 MiB.
+# The default MAX_MIB is what the tree leaves, less 3 MiB (the in-tree kit rides
+# with the last call), at most 48. From .device/cutedsl/*/part.* (+ the wheels in
 # .device/cute-core and .device/cute-extra) and .device/offline-vllm/*/part.* this
 # writes .device/r3/c1, c2, ... and .device/r3/v1, v2, ..., each at most MAX_MIB,
 # whose part.NN files concatenate (in `cat part.*` order) to the original payloads;
@@ -12,12 +14,30 @@
 # last c folder. docs/gpu_runbook.md ("Staging in smaller chunks") says what each
 # call does with them.
 set -euo pipefail
-max_mib=${1:-48}
-if ! [[ $max_mib =~ ^[0-9]+$ ]] || ((max_mib < 8 || max_mib > 60)); then
-  echo "split_bundles.sh: MAX_MIB must be a whole number from 8 to 60, got '$max_mib'" >&2
-  exit 2
-fi
 root=$(cd "$(dirname "$0")/../.." && pwd)
+if (($# == 0)); then
+  tree_bytes=0
+  if git -C "$root" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    tree_bytes=$(git -C "$root" ls-files -z --cached --others --exclude-standard |
+      (cd "$root" && xargs -0 -r stat -c %s 2>/dev/null || true) |
+      awk '{ s += $1 } END { printf "%d", s }')
+  fi
+  room=$((64 - (tree_bytes + 1048575) / 1048576 - 3))
+  max_mib=$((room < 48 ? room : 48))
+  if ((max_mib < 8)); then
+    echo "split_bundles.sh: the tree takes $((tree_bytes / 1048576)) MiB of a call's 64," \
+      "leaving under 8 MiB a chunk: commit run records smaller" >&2
+    exit 2
+  fi
+  echo "chunks of at most $max_mib MiB (the tree: $((tree_bytes / 1048576)) MiB" \
+    "of files git does not ignore)"
+else
+  max_mib=$1
+  if ! [[ $max_mib =~ ^[0-9]+$ ]] || ((max_mib < 8 || max_mib > 60)); then
+    echo "split_bundles.sh: MAX_MIB must be a whole number from 8 to 60, got '$max_mib'" >&2
+    exit 2
+  fi
+fi
 dev=$root/.device
 out=$dev/r3
 tmp=$(mktemp -d)
