@@ -8,6 +8,9 @@ The test host is released about 30 s after a command returns and after
 longer. So, on the host, from the project root (``docs/gpu_runbook.md`` has
 the whole sitting, staging included):
 
+    python3 tools/gpu/run.py stage .device/r3/c1
+        copies a carried staging folder (``tools/gpu/split_bundles.sh``) to
+        the host's scratch; the CuTe DSL's last folder unpacks it.
     python3 tools/gpu/run.py install
         vLLM 0.33.0 from the staged offline bundle (``/tmp/offline-vllm``) and
         this package into ``/tmp/site``; vLLM's own DeepGEMM and FlashMLA
@@ -43,6 +46,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +62,8 @@ SITE = HOST_TMP / "site"
 # The CuTe DSL's wheels unzipped into one folder (docs/gpu_runbook.md, "The
 # CuTe DSL on the host": a pip --target install of them is not importable).
 SITE_CUTE = HOST_TMP / "site-cute2"
+# The CuTe DSL bundle's parts and what its payload unpacks to.
+CUTE_STAGE = HOST_TMP / "cutedsl"
 CONSUMERS = HOST_TMP / "kimi-k3-consumers"
 # What a vLLM process needs on the host (tools/offline-vllm's README): no
 # FlashInfer, no CuTe DSL.
@@ -461,6 +467,61 @@ def _commit() -> str:
         return head.read_text().strip() if head.exists() else "unknown"
 
 
+def stage(args: argparse.Namespace) -> int:
+    """Copies carried staging folders (``.device/r3/cN`` and ``vN``) to where
+    ``install`` and the CuTe DSL suites read them. The CuTe DSL's last folder,
+    the one with its extra wheels, also unpacks the payload into SITE_CUTE."""
+    for folder in args.folders:
+        kind = folder.name[:1]
+        if kind not in ("c", "v") or not folder.is_dir():
+            print(
+                f"stage: {folder} is not a folder of split_bundles.sh "
+                "(.device/r3/cN or .device/r3/vN)",
+                file=sys.stderr,
+            )
+            return 2
+        dest = CUTE_STAGE if kind == "c" else STAGE
+        dest.mkdir(parents=True, exist_ok=True)
+        wheels = sorted(folder.glob("*.whl"))
+        for path in sorted(folder.iterdir()):
+            if path not in wheels:
+                shutil.copy2(path, dest / path.name)
+        print(f"staged {folder} in {dest}")
+        if kind == "c" and wheels:
+            status = _unpack_cute_dsl(wheels)
+            if status:
+                return status
+    return 0
+
+
+def _unpack_cute_dsl(extra_wheels: list[Path]) -> int:
+    """Joins the CuTe DSL's parts, unpacks the payload, and unzips its wheels
+    and the extra ones into one folder (docs/gpu_runbook.md, "The CuTe DSL on
+    the host": a pip --target install of them is not importable)."""
+    parts = sorted(CUTE_STAGE.glob("part.*"), key=lambda p: p.name)
+    expected = [f"part.{i:02d}" for i in range(len(parts))]
+    if [p.name for p in parts] != expected:
+        print(
+            f"stage: {CUTE_STAGE} holds {[p.name for p in parts]}, not "
+            f"part.00 to part.{len(parts) - 1:02d}: stage every c folder first",
+            file=sys.stderr,
+        )
+        return 1
+    payload = CUTE_STAGE / "payload.tar"
+    with open(payload, "wb") as joined:
+        for part in parts:
+            with open(part, "rb") as piece:
+                shutil.copyfileobj(piece, joined)
+    with tarfile.open(payload) as tar:
+        tar.extractall(CUTE_STAGE, filter="tar")
+    SITE_CUTE.mkdir(parents=True, exist_ok=True)
+    for wheel in [*sorted((CUTE_STAGE / "whl").glob("*.whl")), *extra_wheels]:
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(SITE_CUTE)
+    print(f"the CuTe DSL unzipped into {SITE_CUTE}")
+    return 0
+
+
 def install(args: argparse.Namespace) -> int:
     """vLLM and this package into /tmp/site; consumers; the extension."""
     script = STAGE / "install.sh"
@@ -822,6 +883,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--state", type=Path, default=DEFAULT_STATE)
     sub = parser.add_subparsers(dest="action", required=True)
+    p = sub.add_parser("stage")
+    p.add_argument("folders", type=Path, nargs="+", help="carried staging folders")
+    p.set_defaults(fn=stage)
     sub.add_parser("install").set_defaults(fn=install)
     p = sub.add_parser("install-in-tree")
     p.add_argument("--kit", type=Path, default=IN_TREE_KIT)

@@ -39,9 +39,11 @@ else
   fi
 fi
 dev=$root/.device
-out=$dev/r3
+# Written beside .device/r3 and moved over it at the end: a run that stops
+# half-way leaves the last whole cut.
+out=$dev/r3.partial
 tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+trap 'rm -rf "$tmp" "$out"' EXIT
 
 cut_payload() { # name prefix script extra_dir...
   local name=$1 prefix=$2 script=$3
@@ -83,3 +85,5 @@ mkdir -p "$out"
 cut_payload cutedsl c install_cutedsl.sh "$dev/cute-core" "$dev/cute-extra"
 cut_payload offline-vllm v install.sh
 du -sb "$out"/* | awk -v max="$max_mib" '{ if ($1 > max * 1048576) { print "over the limit:", $2; bad = 1 } } END { exit bad }'
+rm -rf "$dev/r3"
+mv "$out" "$dev/r3"
